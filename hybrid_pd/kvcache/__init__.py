@@ -1,0 +1,1 @@
+"""The hybrid KV cache manager: specs, grouping, block pool, managers, physical pool."""

@@ -1,0 +1,237 @@
+"""KVCacheManager: the scheduler's single entry point to the hybrid KV cache.
+
+    scheduler ──► KVCacheManager (this file: per-request records, prefix-hit intersection)
+                      ├── GroupManager per KV cache group (managers.py)
+                      └── BlockPool (block_pool.py)
+
+A request's life: `find_prefix_hit` (query) → `allocate_slots` (reserve slots for the
+tokens of the next step; returns None and changes nothing when the pool is short) → the
+engine computes → `commit_computed` (register full blocks in the prefix cache) → ... →
+`free` (finish, abort or preemption).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hybrid_pd.kvcache.block_pool import BlockPool, IntegrityError, KVBlock
+from hybrid_pd.kvcache.config import KVCacheConfig
+from hybrid_pd.kvcache.hashing import BlockHash, hash_block
+from hybrid_pd.kvcache.ids import BlockId, RequestId
+from hybrid_pd.kvcache.managers import GroupManager, StateManager, make_manager
+
+BlockIds = tuple[list[int], ...]
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Result of a prefix lookup: `num_tokens` cached tokens and, per group, the blocks."""
+
+    num_tokens: int
+    blocks: tuple[list[KVBlock], ...]
+
+    @property
+    def num_blocks_to_take(self) -> int:
+        return sum(1 for bl in self.blocks for b in bl if not b.is_null and b.ref_cnt == 0)
+
+
+@dataclass
+class _Record:
+    token_ids: list[int]
+    hashes: list[BlockHash] = field(default_factory=list)
+    num_computed: int = 0
+
+    def update_hashes(self, block_size: int) -> None:
+        parent = self.hashes[-1] if self.hashes else None
+        for start in range(
+            len(self.hashes) * block_size, len(self.token_ids) - block_size + 1, block_size
+        ):
+            parent = hash_block(parent, self.token_ids[start : start + block_size])
+            self.hashes.append(parent)
+
+
+class KVCacheManager:
+    """Allocates the blocks of every group of one pool for many requests."""
+
+    def __init__(self, config: KVCacheConfig, num_blocks: int, enable_caching: bool = True) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.enable_caching = enable_caching
+        self.managers: list[GroupManager] = [
+            make_manager(g, self.pool, self.block_size) for g in config.groups
+        ]
+        self._records: dict[RequestId, _Record] = {}
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_requests(self) -> int:
+        return len(self._records)
+
+    def has_request(self, rid: RequestId) -> bool:
+        return rid in self._records
+
+    def num_computed(self, rid: RequestId) -> int:
+        return self._records[rid].num_computed
+
+    def block_ids(self, rid: RequestId) -> BlockIds:
+        """Per-group block ids of a request (null block id 0 for skipped positions)."""
+        return tuple([int(b.block_id) for b in m.blocks(rid)] for m in self.managers)
+
+    def find_prefix_hit(self, token_ids: Sequence[int]) -> PrefixHit:
+        """Longest prefix of `token_ids` cached for *all* groups, in whole blocks. The last
+        token is never a hit (its logits must be computed). Changes nothing."""
+        empty = PrefixHit(0, tuple([] for _ in self.managers))
+        if not self.enable_caching or len(token_ids) < 2:
+            return empty
+        rec = _Record(list(token_ids))
+        rec.update_hashes(self.block_size)
+        h = min(len(rec.hashes), (len(token_ids) - 1) // self.block_size)
+        # Each group cuts h to its own largest valid hit <= h; repeat to a fixed point so the
+        # result is valid for every group at once (any number and mix of groups).
+        while True:
+            before = h
+            for m in self.managers:
+                h = m.longest_hit(rec.hashes, h)
+            if h == before or h == 0:
+                break
+        if h == 0:
+            return empty
+        blocks = tuple(m.hit_blocks(rec.hashes, h) for m in self.managers)
+        if any(b is None for b in blocks):  # cannot happen after the fixed point
+            raise IntegrityError("prefix hit valid per group but not for all groups")
+        return PrefixHit(h * self.block_size, blocks)  # type: ignore[arg-type]
+
+    def num_blocks_needed(
+        self, rid: RequestId, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> int:
+        rec = self._records.get(rid)
+        computed = rec.num_computed if rec else (hit.num_tokens if hit else 0)
+        total = computed + num_new_tokens
+        need = 0
+        for i, m in enumerate(self.managers):
+            num_hit = len(hit.blocks[i]) if hit else 0
+            need += m.num_new_blocks(rid, total, num_hit)
+            if hit and isinstance(m, StateManager) and hit.blocks[i]:
+                need += m.span  # fresh pages for the copy of the snapshot
+        if hit and rec is None:
+            need += hit.num_blocks_to_take
+        return need
+
+    # -- mutations -------------------------------------------------------------------------
+    def allocate_slots(
+        self,
+        rid: RequestId,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+    ) -> BlockIds | None:
+        """Reserve slots for `num_new_tokens` more tokens of request `rid`.
+
+        `token_ids` is every token of the request known so far (prompt and output); the
+        manager keeps a reference and hashes full blocks as they appear. `hit` (first call
+        only) is a fresh result of `find_prefix_hit`. Blocks out of every query's reach are
+        released first. Returns the per-group block ids, or None when the pool is short (the
+        request's allocation is then unchanged, though released out-of-window blocks stay
+        released).
+        """
+        rec = self._records.get(rid)
+        if rec is not None:
+            self.release_out_of_window(rid)
+            hit = None
+        if self.num_blocks_needed(rid, num_new_tokens, hit) > self.pool.num_free_blocks:
+            return None
+        if rec is None:
+            rec = _Record(token_ids if isinstance(token_ids, list) else list(token_ids))
+            self._records[rid] = rec
+            if hit is not None and hit.num_tokens:
+                rec.num_computed = hit.num_tokens
+                for m, blocks in zip(self.managers, hit.blocks, strict=True):
+                    m.take_hit(rid, blocks)
+                self.release_out_of_window(rid)
+        total = rec.num_computed + num_new_tokens
+        for m in self.managers:
+            m.allocate(rid, total)
+        return self.block_ids(rid)
+
+    def release_out_of_window(self, rid: RequestId) -> None:
+        """Free blocks that no future query of the request reads (sliding window, chunks)."""
+        rec = self._records[rid]
+        for m in self.managers:
+            m.release_skipped(rid, rec.num_computed)
+
+    def commit_computed(self, rid: RequestId, num_computed: int) -> None:
+        """The engine computed the request's first `num_computed` tokens: record it and
+        register full blocks in the prefix cache."""
+        rec = self._records[rid]
+        if num_computed < rec.num_computed:
+            raise ValueError("num_computed cannot go backwards; free and re-allocate instead")
+        rec.num_computed = num_computed
+        if self.enable_caching:
+            rec.update_hashes(self.block_size)
+            for m in self.managers:
+                m.cache_computed(rid, rec.hashes, num_computed)
+
+    def pending_state_copies(self, rid: RequestId) -> list[tuple[BlockId, BlockId]]:
+        """(source, destination) page copies the engine must run before the request's next
+        step (state snapshots taken over from the prefix cache)."""
+        out = []
+        for m in self.managers:
+            if isinstance(m, StateManager) and (pair := m.take_copies(rid)):
+                out += [(s.block_id, d.block_id) for s, d in zip(*pair, strict=True)]
+        return out
+
+    def finish_state_copies(self, rid: RequestId) -> None:
+        for m in self.managers:
+            if isinstance(m, StateManager):
+                m.finish_copies(rid)
+
+    def snapshot_states(self, rid: RequestId) -> bool:
+        """Keep the request's current states as prefix-cache snapshots (see StateManager)."""
+        rec = self._records[rid]
+        rec.update_hashes(self.block_size)
+        done = [
+            m.snapshot(rid, rec.hashes, rec.num_computed)
+            for m in self.managers
+            if isinstance(m, StateManager)
+        ]
+        return bool(done) and all(done)
+
+    def free(self, rid: RequestId) -> None:
+        """Free every block of the request (finish, abort, preemption). Unknown ids are
+        ignored, so freeing twice is safe."""
+        rec = self._records.pop(rid, None)
+        if rec is None:
+            return
+        if self.enable_caching:
+            rec.update_hashes(self.block_size)
+        for m in self.managers:
+            m.free(rid, rec.hashes if self.enable_caching else [], rec.num_computed)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Pool invariants plus: each block's ref count equals the references requests hold."""
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for m in self.managers:
+            for blocks in m.req_blocks.values():
+                for b in blocks:
+                    if not b.is_null:
+                        refs[b.block_id] = refs.get(b.block_id, 0) + 1
+            if isinstance(m, StateManager):
+                for src, _ in m.pending_copies.values():
+                    for b in src:
+                        refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for bid in range(1, self.pool.num_blocks):
+            block = self.pool.get_block(BlockId(bid))
+            if block.ref_cnt != refs.get(bid, 0):
+                raise IntegrityError(
+                    f"block {bid}: ref count {block.ref_cnt} but requests hold {refs.get(bid, 0)}"
+                )
+        for m in self.managers:
+            stray = set(m.req_blocks) - set(self._records)
+            if stray:
+                raise IntegrityError(f"group {m.group_id} holds blocks of unknown {stray}")

@@ -1,0 +1,136 @@
+"""The physical pool: one byte tensor per worker, typed per-layer views into it.
+
+    buffer: uint8 [num_blocks, page_size_bytes]        (block 0 is the null block)
+
+    block b ─┬─ group g's layer 0 slot ─┬─ K [B, H, D] ─┬─ V [B, H, D]
+             ├─ layer 1 slot ...        │  (attention)
+             └─ unused padding          └─ state: conv [C, K-1] | ssm [...]  (state groups)
+
+Consecutive block ids are adjacent in memory, so a run of block ids is one region for
+transfers. A layer's view strides over whole pages: `view[b]` is that layer's part of
+block b, for any group that owns the layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybrid_pd.kvcache.config import KVCacheConfig, state_tensor_offsets
+from hybrid_pd.kvcache.specs import AttentionSpec, StateSpec, dtype_bytes
+
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+def num_blocks_for_memory(config: KVCacheConfig, kv_memory_bytes: int) -> int:
+    """Blocks (the null block included) that fit in `kv_memory_bytes`."""
+    n = kv_memory_bytes // config.page_size_bytes
+    if n < 2:
+        raise ValueError(
+            f"KV memory of {kv_memory_bytes} bytes holds fewer than 2 pages of "
+            f"{config.page_size_bytes} bytes; raise --kv-memory"
+        )
+    return n
+
+
+class KVPool:
+    """Owns the KV memory of one worker."""
+
+    def __init__(
+        self, config: KVCacheConfig, num_blocks: int, device: torch.device | str | None = None
+    ) -> None:
+        self.config = config
+        self.num_blocks = num_blocks
+        self.buffer = torch.zeros(
+            (num_blocks, config.page_size_bytes), dtype=torch.uint8, device=device
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    def _slot(self, layer_name: str) -> tuple[torch.Tensor, int]:
+        group = self.config.group_of(layer_name)
+        name = self.config.shared_layers.get(layer_name, layer_name)
+        off = group.slot_offset(name)
+        return self.buffer[:, off : off + group.slot_bytes], group.blocks_per_state
+
+    def attention_view(self, layer_name: str) -> torch.Tensor:
+        """[num_blocks, 2 (K, V), block_size, kv_heads, head_dim] view of one layer's KV."""
+        spec = self.config.group_of(layer_name).spec
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"{layer_name} is not an attention layer")
+        raw, _ = self._slot(layer_name)
+        n = spec.page_bytes(self.config.block_size)
+        typed = raw[:, :n].view(torch_dtype(spec.dtype))
+        return typed.unflatten(1, (2, self.config.block_size, spec.num_kv_heads, spec.head_dim))
+
+    def state_views(self, layer_name: str) -> list[torch.Tensor]:
+        """One [num_blocks, *shape] view per state tensor of a layer whose state fits in one
+        block (`blocks_per_state == 1`); index it with the request's state block id."""
+        spec = self.config.group_of(layer_name).spec
+        if not isinstance(spec, StateSpec):
+            raise TypeError(f"{layer_name} is not a state layer")
+        raw, span = self._slot(layer_name)
+        if span != 1:
+            raise ValueError(f"{layer_name}'s state spans {span} blocks; use read_state")
+        offsets, _ = state_tensor_offsets(spec)
+        views = []
+        for off, shape, dtype in zip(offsets, spec.shapes, spec.dtypes, strict=True):
+            n = math.prod(shape) * dtype_bytes(dtype)
+            views.append(raw[:, off : off + n].view(torch_dtype(dtype)).unflatten(1, shape))
+        return views
+
+    def read_state(self, layer_name: str, block_ids: list[int]) -> list[torch.Tensor]:
+        """A contiguous copy of one request's state gathered from its state blocks."""
+        spec = self.config.group_of(layer_name).spec
+        assert isinstance(spec, StateSpec)
+        raw, span = self._slot(layer_name)
+        if len(block_ids) != span:
+            raise ValueError(f"{layer_name} needs {span} state blocks, got {len(block_ids)}")
+        idx = torch.tensor(block_ids, device=raw.device)
+        flat = raw.index_select(0, idx).reshape(-1)
+        offsets, _ = state_tensor_offsets(spec)
+        out = []
+        for off, shape, dtype in zip(offsets, spec.shapes, spec.dtypes, strict=True):
+            n = math.prod(shape) * dtype_bytes(dtype)
+            out.append(flat[off : off + n].view(torch_dtype(dtype)).view(shape))
+        return out
+
+    def write_state(self, layer_name: str, block_ids: list[int], tensors: list[torch.Tensor]):
+        """Scatter a request's state (as returned by `read_state`) back into its blocks."""
+        spec = self.config.group_of(layer_name).spec
+        assert isinstance(spec, StateSpec)
+        raw, span = self._slot(layer_name)
+        offsets, _ = state_tensor_offsets(spec)
+        flat = torch.zeros(span * raw.shape[1], dtype=torch.uint8, device=raw.device)
+        for off, t, dtype in zip(offsets, tensors, spec.dtypes, strict=True):
+            data = t.to(torch_dtype(dtype)).contiguous().reshape(-1).view(torch.uint8)
+            flat[off : off + data.numel()] = data
+        idx = torch.tensor(block_ids, device=raw.device)
+        raw.index_copy_(0, idx, flat.view(span, raw.shape[1]))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole pages src -> dst (state snapshots taken from the prefix cache)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        self.buffer.index_copy_(0, dst, self.buffer.index_select(0, src))
+
+    def region(self, first_block: int, num_blocks: int) -> torch.Tensor:
+        """The contiguous bytes of blocks [first_block, first_block + num_blocks)."""
+        return self.buffer[first_block : first_block + num_blocks]

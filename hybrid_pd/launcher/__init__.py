@@ -1,0 +1,1 @@
+"""Command line (`hybrid-pd`) and, later, the Ray launcher."""

@@ -1,0 +1,135 @@
+"""`hybrid-pd` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from hybrid_pd import __version__
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="plan the KV cache of a model (groups, waste, capacity)")
+    p.add_argument("config", help="config.json or a checkpoint folder")
+    p.add_argument("--kv-memory", default="40GiB", help="KV cache memory (bytes or 40GiB)")
+    p.add_argument("--block-size", type=int, default=None, help="fix the attention block size")
+    p.add_argument(
+        "--max-block-size",
+        type=int,
+        default=64,
+        help="largest attention block size the search tries (default 64)",
+    )
+    p.add_argument(
+        "--block-align",
+        type=int,
+        default=1,
+        help="tried block sizes are multiples of this (16 for FlashAttention)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="request length to size for (default: the model's maximum)",
+    )
+    p.add_argument("--dtype", default=None, help="KV dtype (default: the model's dtype)")
+    p.add_argument(
+        "--no-hma",
+        action="store_true",
+        help="report the plan with the hybrid manager off as the main result",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
+    from hybrid_pd.kvcache.planner import PlanOptions, parse_bytes, plan_report
+
+    opts = PlanOptions(
+        kv_memory_bytes=parse_bytes(args.kv_memory),
+        block_size=args.block_size,
+        max_block_size=args.max_block_size,
+        block_align=args.block_align,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+    )
+    report = plan_report(cache_spec_from_config(args.config), opts)
+    if args.no_hma:
+        off = report["no_hma"]
+        hma = {k: v for k, v in report.items() if k in off or k == "no_hma"}
+        report = {**{k: v for k, v in report.items() if k not in hma}, **off, "hma": hma}
+        report["no_hma"] = off
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(_format_plan(report))
+    return 1 if "error" in report else 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def _format_plan(r: dict[str, Any]) -> str:
+    lines = [
+        f"model {r['architecture']}: {r['num_cache_layers']} cache layers, "
+        f"max_model_len {r['max_model_len']}, KV memory {_gib(r['kv_memory_bytes'])}",
+    ]
+    if "error" in r:
+        return "\n".join([*lines, f"error: {r['error']}"])
+    lines.append(f"groups ({r['strategy']}):")
+    lines.append(
+        f"  {'id':>3} {'type':<15} {'layers':>6} {'padding':>7} {'block':>5}  first layers"
+    )
+    for g in r["groups"]:
+        first = ", ".join(g["layers"][:3]) + (" ..." if len(g["layers"]) > 3 else "")
+        lines.append(
+            f"  {g['group_id']:>3} {g['type']:<15} {g['num_layers']:>6} "
+            f"{g['padding_layers']:>7} {g['block_size']:>5}  {first}"
+        )
+    cols = [("hybrid-pd", r), ("vLLM-style", r["vllm_style"]), ("HMA off", r["no_hma"])]
+    lines.append("")
+    lines.append(f"  {'':<26}" + "".join(f"{name:>16}" for name, _ in cols))
+    rows = [
+        ("block size (tokens)", "block_size", str),
+        ("page size (bytes)", "page_size_bytes", str),
+        ("KV cache groups", "num_groups", str),
+        ("padding waste", "padding_waste", lambda v: f"{100 * v:.3f}%"),
+        ("bytes per request", "bytes_per_request", _gib),
+        ("max concurrent requests", "max_concurrent_requests", str),
+    ]
+    for label, key, fmt in rows:
+        cells = [fmt(c[key]) if key in c else "n/a" for _, c in cols]
+        lines.append(f"  {label:<26}" + "".join(f"{c:>16}" for c in cells))
+    if "error" in r["no_hma"]:
+        lines.append(f"HMA off: {r['no_hma']['error']}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid-pd", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hybrid-pd {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan(sub)
+    from hybrid_pd.launcher.bench import add_bench
+
+    add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hybrid-pd {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
