@@ -117,13 +117,17 @@ class KVCacheConfig:
         """Pool bytes a request of `num_tokens` tokens holds."""
         return self.blocks_per_request(num_tokens) * self.page_size_bytes
 
-    def padding_waste(self, num_tokens: int) -> float:
-        """Fraction of a request's pool bytes that hold no data because of padding."""
-        total = self.bytes_per_request(num_tokens)
-        if total == 0:
-            return 0.0
+    def padding_bytes(self, num_tokens: int) -> int:
+        """Bytes of a request's pages that hold no data because of padding (unused slots,
+        padded states, alignment). Tokens not yet written in a last partial block are not
+        counted: that is block rounding, not padding."""
         used = sum(
             g.blocks_needed(num_tokens, self.block_size) * g.used_bytes_per_block(self.block_size)
             for g in self.groups
         )
-        return 1.0 - used / total
+        return self.bytes_per_request(num_tokens) - used
+
+    def padding_waste(self, num_tokens: int) -> float:
+        """Fraction of a request's pool bytes that hold no data because of padding."""
+        total = self.bytes_per_request(num_tokens)
+        return self.padding_bytes(num_tokens) / total if total else 0.0

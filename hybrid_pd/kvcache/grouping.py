@@ -2,8 +2,8 @@
 
 Every group of the pool shares one page size P. A group packs as many layers of one spec as
 fit in P (each layer in an aligned slot). We search the attention block size B (tokens per
-block, up to `max_block_size`), the page size P (candidates: a whole number of one kind's
-slots) and, for state layers, how many blocks one state spans, and keep the plan that
+block, `min_block_size` to `max_block_size`), the page size P (candidates: a whole number of
+one kind's slots) and, for state layers, how many blocks one state spans, and keep the plan that
 allocates the fewest bytes for a request of `ref_len` tokens. Among plans within
 `TOLERANCE` of the best we prefer in-place states (one block per state), then fewer groups,
 then fewer bytes, then a block size that is a multiple of 16, then the smaller block size.
@@ -111,20 +111,29 @@ def _page_candidates(
                     yield page
 
 
-def _block_sizes(block_size: int | None, max_block_size: int, block_align: int) -> list[int]:
+def _block_sizes(
+    block_size: int | None, min_block_size: int, max_block_size: int, block_align: int
+) -> list[int]:
     if block_size is not None:
         if block_size <= 0:
             raise ValueError("--block-size must be positive")
         return [block_size]
-    if max_block_size < block_align:
-        raise ValueError("max block size is below the block alignment")
-    return list(range(block_align, max_block_size + 1, block_align))
+    if block_align <= 0:
+        raise ValueError("--block-align must be positive")
+    first = cdiv(min_block_size, block_align) * block_align
+    if max_block_size < first:
+        raise ValueError(
+            f"no block size between {min_block_size} and {max_block_size} is a multiple of "
+            f"{block_align}"
+        )
+    return list(range(first, max_block_size + 1, block_align))
 
 
 def plan_groups(
     model: ModelCacheSpec,
     *,
     block_size: int | None = None,
+    min_block_size: int = 16,
     max_block_size: int = 64,
     block_align: int = 1,
     ref_len: int | None = None,
@@ -132,16 +141,18 @@ def plan_groups(
 ) -> KVCacheConfig:
     """Group `model`'s layers for one pool.
 
-    `block_size` fixes the attention block size; otherwise every multiple of `block_align` up
-    to `max_block_size` is tried. `ref_len` (default: the model's max length, else 4096) is
-    the request length whose pool bytes the search minimises. With `hma=False` sliding-window
+    `block_size` fixes the attention block size; otherwise every multiple of `block_align`
+    from `min_block_size` to `max_block_size` is tried (small blocks make prefix caching
+    fine-grained; below 16 tokens kernels and block tables get inefficient). `ref_len`
+    (default: the model's max length, else 4096) is the request length whose pool bytes the
+    search minimises. With `hma=False` sliding-window
     and chunked layers become full attention and state layers raise `HMAOffError`.
     """
     layers = model.layers if hma else _hma_off_layers(model)
     ref = ref_len or model.max_model_len or 4096
     kinds = _kinds(layers)
     best: list[_Plan] = []
-    for bs in _block_sizes(block_size, max_block_size, block_align):
+    for bs in _block_sizes(block_size, min_block_size, max_block_size, block_align):
         attn_slots = [slot_bytes_for(s, bs) for s in kinds if not isinstance(s, StateSpec)]
         min_page = max(attn_slots, default=align_up(1))
         for page in _page_candidates(kinds, bs, min_page):

@@ -112,9 +112,8 @@ class KVCacheManager:
         need = 0
         for i, m in enumerate(self.managers):
             num_hit = len(hit.blocks[i]) if hit else 0
+            # A state group's fresh pages (the copy of a hit snapshot) are counted here.
             need += m.num_new_blocks(rid, total, num_hit)
-            if hit and isinstance(m, StateManager) and hit.blocks[i]:
-                need += m.span  # fresh pages for the copy of the snapshot
         if hit and rec is None:
             need += hit.num_blocks_to_take
         return need

@@ -175,19 +175,24 @@ class StateManager(GroupManager):
         return self.span
 
     def take_hit(self, rid: RequestId, blocks: list[KVBlock]) -> None:
+        # Only take the reference here: the fresh pages come from `allocate`, after every
+        # group took its hit. Allocating now could evict (and hand this group) a cached
+        # block another group's hit has not touched yet.
         if not blocks:
             return
         self.pool.touch(blocks)
-        fresh = self.pool.allocate(self.span)
-        self.pending_copies[rid] = (list(blocks), fresh)
-        self.req_blocks[rid] = fresh
+        self.pending_copies[rid] = (list(blocks), [])
 
     def release_skipped(self, rid: RequestId, num_computed: int) -> None:
         return None  # the state is always needed
 
     def allocate(self, rid: RequestId, num_tokens: int) -> None:
         if self.num_new_blocks(rid, num_tokens):
-            self.req_blocks[rid] = self.pool.allocate(self.span)
+            fresh = self.pool.allocate(self.span)
+            self.req_blocks[rid] = fresh
+            pending = self.pending_copies.get(rid)
+            if pending is not None and not pending[1]:  # hit taken: copy snapshot -> fresh
+                self.pending_copies[rid] = (pending[0], fresh)
 
     def take_copies(self, rid: RequestId) -> tuple[list[KVBlock], list[KVBlock]] | None:
         return self.pending_copies.get(rid)

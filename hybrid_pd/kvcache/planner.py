@@ -73,6 +73,7 @@ def describe(config: KVCacheConfig, max_model_len: int, kv_memory: int) -> dict[
         ],
         "strategy": config.strategy,
         "padding_waste": round(config.padding_waste(max_model_len), 6),
+        "padding_bytes_per_request": config.padding_bytes(max_model_len),
         "bytes_per_request": per_request,
         "blocks_per_request": blocks_per_request,
         "num_blocks": num_blocks,

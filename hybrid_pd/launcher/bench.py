@@ -16,7 +16,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     k = bsub.add_parser("kvcache", help="allocator throughput and the planner table")
     k.add_argument("--requests", type=int, default=10_000)
     k.add_argument(
-        "--model", default="gemma-3-27b", help="reference config to drive the allocator with"
+        "--model", default="gemma-3-27b-it", help="reference config to drive the allocator with"
     )
     k.add_argument("--kv-memory", default="16GiB")
     k.add_argument("--seed", type=int, default=0)
@@ -37,9 +37,12 @@ def bench_kvcache(
     from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
     from hybrid_pd.kvcache.manager import KVCacheManager
     from hybrid_pd.kvcache.pool import num_blocks_for_memory
-    from hybrid_pd.kvcache.reference_configs import REFERENCE_CONFIGS
+    from hybrid_pd.kvcache.reference_configs import reference_config
 
-    spec = cache_spec_from_config(REFERENCE_CONFIGS[model_name])
+    cfg = reference_config(model_name)
+    if cfg is None:
+        raise ValueError(f"unknown reference model {model_name!r}; see `hybrid-pd plan --list`")
+    spec = cache_spec_from_config(cfg)
     config = plan_groups(spec, ref_len=8192)
     num_blocks = num_blocks_for_memory(config, kv_memory)
     mgr = KVCacheManager(config, num_blocks)
@@ -103,10 +106,11 @@ def planner_table(max_model_len: int = 32768, kv_memory: int = 40 * 2**30) -> li
     """Planner figures for every reference config: ours, vLLM-style, HMA off."""
     from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
     from hybrid_pd.kvcache.planner import PlanOptions, plan_report
-    from hybrid_pd.kvcache.reference_configs import REFERENCE_CONFIGS
+    from hybrid_pd.kvcache.reference_configs import REFERENCE_CONFIGS, short_name
 
     rows = []
-    for name, cfg in REFERENCE_CONFIGS.items():
+    for full, cfg in REFERENCE_CONFIGS.items():
+        name = short_name(full)
         r = plan_report(
             cache_spec_from_config(cfg),
             PlanOptions(kv_memory_bytes=kv_memory, max_model_len=max_model_len),

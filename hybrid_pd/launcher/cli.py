@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -13,7 +14,12 @@ from hybrid_pd import __version__
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="plan the KV cache of a model (groups, waste, capacity)")
-    p.add_argument("config", help="config.json or a checkpoint folder")
+    p.add_argument(
+        "config",
+        nargs="?",
+        help="config.json, a checkpoint folder, or a reference name (see --list)",
+    )
+    p.add_argument("--list", action="store_true", help="list the built-in reference configs")
     p.add_argument("--kv-memory", default="40GiB", help="KV cache memory (bytes or 40GiB)")
     p.add_argument("--block-size", type=int, default=None, help="fix the attention block size")
     p.add_argument(
@@ -47,6 +53,21 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
     from hybrid_pd.kvcache.planner import PlanOptions, parse_bytes, plan_report
+    from hybrid_pd.kvcache.reference_configs import (
+        REFERENCE_CONFIGS,
+        reference_config,
+        short_name,
+    )
+
+    if args.list:
+        for name in REFERENCE_CONFIGS:
+            print(short_name(name))
+        return 0
+    if not args.config:
+        raise ValueError("give a config.json, a checkpoint folder or a reference name")
+    source = args.config
+    if not os.path.exists(source) and (ref := reference_config(source)) is not None:
+        source = ref
 
     opts = PlanOptions(
         kv_memory_bytes=parse_bytes(args.kv_memory),
@@ -56,7 +77,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         dtype=args.dtype,
     )
-    report = plan_report(cache_spec_from_config(args.config), opts)
+    report = plan_report(cache_spec_from_config(source), opts)
     if args.no_hma:
         off = report["no_hma"]
         hma = {k: v for k, v in report.items() if k in off or k == "no_hma"}
@@ -81,15 +102,22 @@ def _format_plan(r: dict[str, Any]) -> str:
     if "error" in r:
         return "\n".join([*lines, f"error: {r['error']}"])
     lines.append(f"groups ({r['strategy']}):")
-    lines.append(
-        f"  {'id':>3} {'type':<15} {'layers':>6} {'padding':>7} {'block':>5}  first layers"
-    )
-    for g in r["groups"]:
-        first = ", ".join(g["layers"][:3]) + (" ..." if len(g["layers"]) > 3 else "")
+    lines.append(f"  {'ids':>7} {'type':<15} {'layers':>6} {'padding':>7} {'block':>5}  layers")
+    groups = r["groups"]
+    i = 0
+    while i < len(groups):  # collapse runs of groups that look the same
+        g, j = groups[i], i
+        same = ("type", "num_layers", "padding_layers")
+        while j + 1 < len(groups) and all(groups[j + 1][k] == g[k] for k in same):
+            j += 1
+        ids = str(g["group_id"]) if i == j else f"{g['group_id']}-{groups[j]['group_id']}"
+        names = [n for h in groups[i : j + 1] for n in h["layers"]]
+        shown = ", ".join(names[:3]) + (f" ... ({len(names)})" if len(names) > 3 else "")
         lines.append(
-            f"  {g['group_id']:>3} {g['type']:<15} {g['num_layers']:>6} "
-            f"{g['padding_layers']:>7} {g['block_size']:>5}  {first}"
+            f"  {ids:>7} {g['type']:<15} {g['num_layers']:>6} "
+            f"{g['padding_layers']:>7} {g['block_size']:>5}  {shown}"
         )
+        i = j + 1
     cols = [("hybrid-pd", r), ("vLLM-style", r["vllm_style"]), ("HMA off", r["no_hma"])]
     lines.append("")
     lines.append(f"  {'':<26}" + "".join(f"{name:>16}" for name, _ in cols))
