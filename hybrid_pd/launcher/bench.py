@@ -22,6 +22,14 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_cmd_bench_kvcache)
+    e = bsub.add_parser("engine", help="prefill/decode tokens/s next to transformers")
+    e.add_argument("--model", default="tiny")
+    e.add_argument("--prompt-len", type=int, default=256)
+    e.add_argument("--decode-tokens", type=int, default=32)
+    e.add_argument("--batch-sizes", default="1,32")
+    e.add_argument("--no-transformers", action="store_true", help="skip the reference")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cmd_bench_engine)
 
 
 def bench_kvcache(
@@ -170,4 +178,95 @@ def _cmd_bench_kvcache(args: argparse.Namespace) -> int:
                 f"{n.get('max_concurrent_requests', 'error'):>13}"
             )
     sys.stdout.flush()
+    return 0
+
+
+def bench_engine(
+    model_name: str,
+    prompt_len: int,
+    decode_tokens: int,
+    batch_sizes: list[int],
+    with_transformers: bool = True,
+) -> dict[str, Any]:
+    """Prefill and decode throughput of our engine and of transformers' generate, same
+    checkpoint, same prompts, same process. Prefill time is the time to the first token;
+    decode tokens/s counts the tokens after it."""
+    import torch
+
+    from hybrid_pd.engine.engine import Engine, EngineConfig
+    from hybrid_pd.engine.loader import load_model
+    from hybrid_pd.engine.sampling import SamplingParams
+    from hybrid_pd.engine.tiny import resolve_model
+
+    path = resolve_model(model_name)
+    model, config, tok = load_model(path)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    hf = None
+    if with_transformers:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None
+    for bs in batch_sizes:
+        prompts = [torch.randint(0, 256, (prompt_len,), generator=gen).tolist() for _ in range(bs)]
+        engine = Engine(
+            model,
+            config,
+            EngineConfig(
+                kv_memory_bytes=1 << 30,
+                max_num_batched_tokens=prompt_len * bs,
+                enable_prefix_caching=False,
+            ),
+            tok,
+        )
+        params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(p, params)
+        t0 = time.perf_counter()
+        first = None
+        while engine.has_unfinished():
+            engine.step()
+            if first is None:
+                first = time.perf_counter()
+        t1 = time.perf_counter()
+        row = {
+            "batch_size": bs,
+            "prompt_len": prompt_len,
+            "decode_tokens": decode_tokens,
+            "ours_prefill_tokens_per_s": round(bs * prompt_len / (first - t0), 1),
+            "ours_decode_tokens_per_s": round(bs * (decode_tokens - 1) / (t1 - first), 1),
+        }
+        if hf is not None:
+            ids = torch.tensor(prompts)
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                hf.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+                t1 = time.perf_counter()
+                hf.generate(ids, max_new_tokens=decode_tokens, do_sample=False, pad_token_id=0)
+                t2 = time.perf_counter()
+            prefill = t1 - t0
+            decode = max(1e-9, (t2 - t1) - prefill)
+            row["transformers_prefill_tokens_per_s"] = round(bs * prompt_len / prefill, 1)
+            row["transformers_decode_tokens_per_s"] = round(bs * (decode_tokens - 1) / decode, 1)
+            row["prefill_ratio"] = round(
+                row["ours_prefill_tokens_per_s"] / row["transformers_prefill_tokens_per_s"], 3
+            )
+            row["decode_ratio"] = round(
+                row["ours_decode_tokens_per_s"] / row["transformers_decode_tokens_per_s"], 3
+            )
+        rows.append(row)
+    return {"model": model_name, "device": str(next(model.parameters()).device), "runs": rows}
+
+
+def _cmd_bench_engine(args: argparse.Namespace) -> int:
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    result = bench_engine(
+        args.model, args.prompt_len, args.decode_tokens, sizes, not args.no_transformers
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for r in result["runs"]:
+            print(", ".join(f"{k}={v}" for k, v in r.items()))
     return 0

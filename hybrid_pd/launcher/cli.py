@@ -137,12 +137,68 @@ def _format_plan(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with one engine (no server)")
+    p.add_argument("--model", default="tiny", help="checkpoint folder, or `tiny` (built in)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
+    p.add_argument("--kv-memory", default="256MiB", help="KV cache memory (bytes or 1GiB)")
+    p.add_argument("--device", default=None, help="torch device (default: torch's default)")
+    p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from hybrid_pd.engine.engine import Engine, EngineConfig
+    from hybrid_pd.engine.loader import load_model
+    from hybrid_pd.engine.sampling import SamplingParams
+    from hybrid_pd.engine.tiny import resolve_model
+    from hybrid_pd.kvcache.planner import parse_bytes
+
+    model, config, tokenizer = load_model(resolve_model(args.model), device=args.device)
+    engine = Engine(
+        model, config, EngineConfig(kv_memory_bytes=parse_bytes(args.kv_memory)), tokenizer
+    )
+    if args.prompt_ids is not None:
+        try:
+            prompt: list[int] | str = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError("--prompt-ids takes integers separated by commas") from None
+    else:
+        prompt = args.prompt
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    out = engine.generate([prompt], params)[0]
+    result = {
+        "token_ids": out.token_ids,
+        "text": out.text if out.text is not None else "",
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": len(out.prompt_ids),
+    }
+    print(json.dumps(result) if args.json else result["text"])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid-pd", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hybrid-pd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
+    _add_generate(sub)
     from hybrid_pd.launcher.bench import add_bench
 
     add_bench(sub)

@@ -1,0 +1,1 @@
+"""Model runtime: models on the paged pool, scheduler, sampler, engine loop."""

@@ -1,0 +1,74 @@
+"""What one forward step sees: the flattened tokens and, per sequence, its cache blocks.
+
+    input_ids:  [ seq0 new tokens | seq1 new tokens | ... ]      (T tokens in all)
+    seqs[i]:    start, num_new, num_computed, block_ids (one list per KV cache group)
+
+Sequence i's new tokens are positions num_computed .. num_computed + num_new - 1. Its cache
+already holds positions 0 .. num_computed - 1 (what its layers still need of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_pd.kvcache.pool import KVPool
+
+
+@dataclass(frozen=True)
+class SeqInfo:
+    request_id: str
+    start: int
+    num_new: int
+    num_computed: int
+    block_ids: tuple[list[int], ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the cache once this step is done."""
+        return self.num_computed + self.num_new
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    seqs: list[SeqInfo]
+    kv: KVPool
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index in the flattened batch of each sequence's last new token."""
+        return torch.tensor([s.end - 1 for s in self.seqs], device=self.input_ids.device)
+
+    def block_table(self, layer_name: str, seq: SeqInfo) -> list[int]:
+        return seq.block_ids[self.kv.config.group_of(layer_name).group_id]
+
+
+def make_batch(
+    kv: KVPool,
+    seqs: list[tuple[str, list[int], int, tuple[list[int], ...]]],
+) -> ForwardBatch:
+    """Build a batch from (request id, new token ids, num_computed, block ids) tuples."""
+    ids: list[int] = []
+    pos: list[int] = []
+    infos = []
+    for rid, new_ids, computed, block_ids in seqs:
+        infos.append(SeqInfo(rid, len(ids), len(new_ids), computed, block_ids))
+        ids += new_ids
+        pos += range(computed, computed + len(new_ids))
+    dev = kv.device
+    return ForwardBatch(
+        torch.tensor(ids, dtype=torch.long, device=dev),
+        torch.tensor(pos, dtype=torch.long, device=dev),
+        infos,
+        kv,
+    )

@@ -1,0 +1,199 @@
+"""The single-worker engine: scheduler + model + KV pool, driven step by step."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybrid_pd.engine.batch import make_batch
+from hybrid_pd.engine.request import Request, Status
+from hybrid_pd.engine.sampling import SamplingParams, make_generator, sample
+from hybrid_pd.engine.scheduler import Scheduler, SchedulerConfig
+from hybrid_pd.kvcache.grouping import plan_groups
+from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
+from hybrid_pd.kvcache.ids import RequestId
+from hybrid_pd.kvcache.manager import KVCacheManager
+from hybrid_pd.kvcache.pool import KVPool, num_blocks_for_memory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_memory_bytes: int = 256 * 2**20
+    block_size: int | None = None
+    kv_dtype: str | None = None  # default: the model's dtype
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's maximum, capped at 32768
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int = 0
+    text: str | None = None
+
+
+class Engine:
+    """Runs one model on one device. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, model, hf_config: dict, config: EngineConfig, tokenizer=None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        param = next(model.parameters())
+        self.device = param.device
+        spec = cache_spec_from_config(hf_config, dtype=config.kv_dtype or _dtype_name(param))
+        max_len = config.max_model_len or min(spec.max_model_len or 4096, 32768)
+        self.max_model_len = max_len
+        self.kv_config = plan_groups(spec, block_size=config.block_size, ref_len=max_len)
+        num_blocks = num_blocks_for_memory(self.kv_config, config.kv_memory_bytes)
+        self.kv = KVCacheManager(self.kv_config, num_blocks, config.enable_prefix_caching)
+        self.pool = KVPool(self.kv_config, num_blocks, device=self.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
+            self.kv,
+        )
+        self.eos_token_ids = _eos_ids(hf_config, tokenizer)
+        self.vocab_size = int((hf_config.get("text_config") or hf_config)["vocab_size"])
+        self._ids = itertools.count()
+        self.requests: dict[str, Request] = {}
+
+    # -- request API ------------------------------------------------------------------------
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        """Queue a request; raises ValueError (and queues nothing) if it can never run."""
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        vocab = self.vocab_size
+        if any(not 0 <= int(t) < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        req = Request(rid, [int(t) for t in prompt_ids], params, self.eos_token_ids)
+        req.generator = make_generator(params, self.device)
+        self.scheduler.add(req)
+        self.requests[rid] = req
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        self.requests.pop(request_id, None)
+        return req is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- the loop ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample; returns outputs of requests that got a token."""
+        sched = self.scheduler.schedule()
+        if not sched.seqs:
+            return []
+        self.pool.copy_blocks([(int(s), int(d)) for s, d in sched.copies])
+        for seq in sched.seqs:
+            self.kv.finish_state_copies(RequestId(seq.request.request_id))
+        batch = make_batch(
+            self.pool,
+            [
+                (
+                    s.request.request_id,
+                    s.request.all_ids[s.num_computed : s.num_computed + s.num_new],
+                    s.num_computed,
+                    s.block_ids,
+                )
+                for s in sched.seqs
+            ],
+        )
+        hidden = self.model(batch)
+        sampling = [i for i, s in enumerate(sched.seqs) if s.samples]
+        tokens: list[int] = []
+        if sampling:
+            last = batch.last_token_indices()[sampling]
+            logits = self.model.compute_logits(hidden[last]).float()
+            reqs = [sched.seqs[i].request for i in sampling]
+            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for seq in sched.seqs:
+            self.scheduler.commit(seq)
+        outputs = []
+        for i, token in zip(sampling, tokens, strict=True):
+            req = sched.seqs[i].request
+            req.append_token(token)
+            self._check_stop_strings(req)
+            if req.finish_reason is not None:
+                self.scheduler.finish(req)
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _check_stop_strings(self, req: Request) -> None:
+        if not req.params.stop or self.tokenizer is None or req.finish_reason:
+            return
+        text = self.tokenizer.decode(req.output_ids)
+        if any(s in text for s in req.params.stop):
+            req.finish_reason = "stop"
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None and req.finished:
+            text = self.tokenizer.decode(req.output_ids)
+            for s in req.params.stop:
+                cut = text.find(s)
+                if cut >= 0:
+                    text = text[:cut]
+        return RequestOutput(
+            req.request_id,
+            req.prompt_ids,
+            list(req.output_ids),
+            req.status is Status.FINISHED,
+            req.finish_reason,
+            req.num_cached_tokens,
+            text,
+        )
+
+    def generate(
+        self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Run prompts (token ids, or text when a tokenizer is loaded) to completion."""
+        params = params or SamplingParams()
+        rids = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("text prompts need a tokenizer")
+                p = self.tokenizer.encode(p)
+            rids.append(self.add_request(p, params))
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in rids]
+
+
+def _dtype_name(param: torch.Tensor) -> str:
+    return str(param.dtype).removeprefix("torch.")
+
+
+def _eos_ids(hf_config: dict, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for cfg in (hf_config, hf_config.get("text_config") or {}):
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

@@ -1,0 +1,1 @@
+"""Model architectures (pure PyTorch, device-agnostic) and their registry."""

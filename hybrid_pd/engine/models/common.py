@@ -1,0 +1,74 @@
+"""Building blocks shared by the architectures."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMS norm; `offset=1.0` gives the (1 + weight) form (Gemma, Qwen3.5) with zero init."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (self.offset + self.weight.float())).to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def activation(name: str):
+    if name in ("silu", "swish"):
+        return F.silu
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half layout) over the first `rotary_dim` dims."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        rotary_dim: int | None = None,
+        scaling_factor: float = 1.0,
+    ) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim or head_dim
+        inv = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2).float() / self.rotary_dim))
+        self.register_buffer("inv_freq", inv / scaling_factor, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D], positions [T] -> x with the rotary part rotated."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(x.device)[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = (rot.float() * cos + rotated.float() * sin).to(x.dtype)
+        return torch.cat([out, rest], dim=-1)

@@ -1,0 +1,439 @@
+"""Qwen3.5 (dense text model): Gated DeltaNet layers mixed with gated full attention.
+
+Layer kinds come from ``layer_types`` (else a full-attention layer every
+``full_attention_interval`` layers, default 4):
+
+* ``linear_attention`` -- Gated DeltaNet. ``in_proj_qkv`` feeds a depthwise causal conv1d
+  (kernel K, SiLU) whose state is the last K - 1 inputs; q/k are L2-normalised, q scaled by
+  1/sqrt(d_k); per head a decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and a write
+  strength ``beta = sigmoid(b)`` drive the gated delta rule on a [d_k, d_v] state:
+  ``S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q``. The output goes through an
+  RMS norm gated by ``silu(in_proj_z(x))`` and ``out_proj``.
+* ``full_attention`` -- ``q_proj`` yields query and an output gate per head, RMS norms on q and
+  k per head, rotary embedding on the first ``partial_rotary_factor`` of each head, output
+  multiplied by ``sigmoid(gate)`` before ``o_proj``.
+
+Norms other than the gated one use the (1 + weight) form. The text-only position ids of the
+multimodal rotary (mrope) are equal on its three axes, so it reduces to plain rotary here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, Rotary, activation
+from hybrid_pd.engine.paged import paged_attention, read_state, write_state
+
+__all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "tiny_qwen3_5_config"]
+
+GDN_CHUNK = 64  # tokens per block of the chunked (parallel) delta rule
+_IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    text = config.get("text_config")
+    return dict(text) if isinstance(text, Mapping) else dict(config)
+
+
+def _layer_types(cfg: Mapping[str, Any]) -> list[str]:
+    n = int(cfg["num_hidden_layers"])
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        every = int(cfg.get("full_attention_interval") or 4)
+        kinds = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    kinds = list(kinds)[:n]
+    for kind in kinds:
+        if kind not in ("full_attention", "linear_attention"):
+            raise ValueError(f"Qwen3.5: unknown layer type {kind!r}")
+    return kinds
+
+
+def _rope(cfg: Mapping[str, Any]) -> tuple[float, float]:
+    """(theta, partial_rotary_factor) from ``rope_parameters`` or the legacy top-level keys."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "mrope"):
+        raise ValueError(f"Qwen3.5: rope_type {kind!r} is not supported")
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    return float(theta), float(factor)
+
+
+# --------------------------------------------------------------------------- delta rule
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def delta_rule_step(q, k, v, g, beta, state):
+    """One token. q/k [H, dk], v [H, dv], g/beta [H], state [H, dk, dv] (fp32) -> (o, state)."""
+    state = state * g.exp()[:, None, None]
+    predicted = torch.einsum("hk,hkv->hv", k, state)
+    delta = beta[:, None] * (v - predicted)
+    state = state + k[:, :, None] * delta[:, None, :]
+    return torch.einsum("hk,hkv->hv", q, state), state
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
+    """Several tokens, in blocks of `chunk`. q/k [H, n, dk], v [H, n, dv], g/beta [H, n],
+    state [H, dk, dv] (all fp32) -> (o [H, n, dv], final state).
+
+    Inside a block with cumulative log decay G, the deltas U written by each token solve the
+    unit lower-triangular system (I + A) U = beta V - beta exp(G) K S0 with
+    A[i, j] = beta_i exp(G_i - G_j) k_i.k_j (j < i); outputs and the end state follow from U.
+    """
+    n, dv = q.shape[1], v.shape[-1]
+    out = q.new_empty(q.shape[0], n, dv)
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        qc, kc, vc, bc = q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], beta[:, lo:hi]
+        cum = g[:, lo:hi].cumsum(-1)  # [H, L]
+        size = hi - lo
+        causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+        rel = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()
+        system = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * rel).tril(-1)
+        system = system + torch.eye(size, dtype=q.dtype, device=q.device)
+        rhs = torch.cat([bc[..., None] * vc, (bc * cum.exp())[..., None] * kc], dim=-1)
+        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        deltas = solved[..., :dv] - solved[..., dv:] @ state  # [H, L, dv]
+        scores = (qc @ kc.transpose(-1, -2)) * rel
+        out[:, lo:hi] = (qc * cum.exp()[..., None]) @ state + scores @ deltas
+        tail = (cum[:, -1:] - cum).exp()[..., None]  # decay from each token to the block end
+        state = state * cum[:, -1].exp()[:, None, None] + (kc * tail).transpose(-1, -2) @ deltas
+    return out, state
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class GatedRMSNorm(nn.Module):
+    """RMS norm over the last dim, scaled by `weight`, then multiplied by silu(gate)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * xf.to(dtype)
+        return (y * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], layer_name: str) -> None:
+        super().__init__()
+        hidden = int(cfg["hidden_size"])
+        self.layer_name = layer_name
+        self.k_heads = int(cfg["linear_num_key_heads"])
+        self.v_heads = int(cfg["linear_num_value_heads"])
+        self.dk = int(cfg["linear_key_head_dim"])
+        self.dv = int(cfg["linear_value_head_dim"])
+        if self.v_heads % self.k_heads:
+            raise ValueError("Qwen3.5: linear_num_value_heads must be a multiple of key heads")
+        self.key_dim = self.k_heads * self.dk
+        self.value_dim = self.v_heads * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = int(cfg.get("linear_conv_kernel_dim", 4))
+        self.act = activation(cfg.get("hidden_act", "silu"))
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads))
+        self.norm = GatedRMSNorm(self.dv, float(cfg.get("rms_norm_eps", 1e-6)))
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(t, self.v_heads, self.dv)
+        beta = self.in_proj_b(x).sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        core = x.new_empty(t, self.v_heads, self.dv)
+        for seq in batch.seqs:
+            conv_state, ssm_state = read_state(self.layer_name, batch, seq)
+            sl = slice(seq.start, seq.end)
+            mixed, new_conv = self._conv(qkv[sl], conv_state)
+            o, new_ssm = self._delta(mixed, g[sl], beta[sl], ssm_state.float())
+            core[sl] = o.to(core.dtype)
+            write_state(
+                self.layer_name,
+                batch,
+                seq,
+                [new_conv.to(conv_state.dtype), new_ssm.to(ssm_state.dtype)],
+            )
+        y = self.norm(core, z).reshape(t, self.value_dim)
+        return self.out_proj(y)
+
+    def _conv(self, x: torch.Tensor, conv_state: torch.Tensor):
+        """x [n, C] new inputs, conv_state [C, K-1] past inputs -> (act(conv) [n, C], state)."""
+        weight = self.conv1d.weight  # [C, 1, K]
+        seq = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=1)
+        out = F.conv1d(seq[None], weight, groups=self.conv_dim)[0]  # [C, n]
+        keep = self.kernel - 1
+        new_state = seq[:, seq.shape[1] - keep :]
+        return self.act(out).t().to(x.dtype), new_state
+
+    def _delta(self, mixed, g, beta, state):
+        n = mixed.shape[0]
+        q, k, v = torch.split(mixed.float(), [self.key_dim, self.key_dim, self.value_dim], -1)
+        rep = self.v_heads // self.k_heads
+        q = _l2norm(q.view(n, self.k_heads, self.dk)).repeat_interleave(rep, dim=1)
+        k = _l2norm(k.view(n, self.k_heads, self.dk)).repeat_interleave(rep, dim=1)
+        q = q * self.dk**-0.5
+        v = v.view(n, self.v_heads, self.dv)
+        if n == 1:
+            o, state = delta_rule_step(q[0], k[0], v[0], g[0], beta[0], state)
+            return o[None], state
+        o, state = delta_rule_chunked(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.t(), beta.t(), state
+        )
+        return o.transpose(0, 1), state
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], layer_name: str) -> None:
+        super().__init__()
+        hidden = int(cfg["hidden_size"])
+        self.layer_name = layer_name
+        self.heads = int(cfg["num_attention_heads"])
+        self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
+        self.head_dim = int(cfg.get("head_dim") or hidden // self.heads)
+        bias = bool(cfg.get("attention_bias", False))
+        eps = float(cfg.get("rms_norm_eps", 1e-6))
+        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
+        self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
+        theta, factor = _rope(cfg)
+        self.rotary = Rotary(self.head_dim, theta, rotary_dim=int(self.head_dim * factor))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        qg = self.q_proj(x).view(t, self.heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q = self.rotary(self.q_norm(q), batch.positions)
+        k = self.rotary(self.k_norm(k), batch.positions)
+        o = paged_attention(self.layer_name, q, k, v, batch, scale=self.head_dim**-0.5)
+        o = o * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(t, self.heads * self.head_dim))
+
+
+class SparseMoE(nn.Module):
+    """Qwen3.5-MoE MLP: softmax router, top-k experts (weights renormalised to sum to 1) plus
+    a shared expert scaled by sigmoid(shared_expert_gate(x)). Expert weights are stacked:
+    gate_proj / up_proj [E, I, H], down_proj [E, H, I]."""
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        hidden = int(cfg["hidden_size"])
+        self.num_experts = int(cfg["num_experts"])
+        self.top_k = int(cfg["num_experts_per_tok"])
+        inter = int(cfg["moe_intermediate_size"])
+        self.gate = nn.Linear(hidden, self.num_experts, bias=False)
+        self.gate_proj = nn.Parameter(torch.empty(self.num_experts, inter, hidden))
+        self.up_proj = nn.Parameter(torch.empty(self.num_experts, inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, inter))
+        act = cfg.get("hidden_act", "silu")
+        self.act = activation(act)
+        self.shared_expert = GatedMLP(hidden, int(cfg["shared_expert_intermediate_size"]), act)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(logits.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            tok, slot = torch.where(experts == e)
+            h = x[tok]
+            h = self.act(h @ self.gate_proj[e].t()) * (h @ self.up_proj[e].t())
+            h = (h @ self.down_proj[e].t()) * weights[tok, slot, None]
+            out.index_add_(0, tok, h.to(out.dtype))
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out + shared
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any], index: int, kind: str) -> None:
+        super().__init__()
+        hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
+        name = f"model.layers.{index}"
+        self.kind = kind
+        if kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg, name)
+        else:
+            self.self_attn = GatedAttention(cfg, name)
+        if cfg.get("num_experts"):
+            self.mlp: nn.Module = SparseMoE(cfg)
+        else:
+            act = cfg.get("hidden_act", "silu")
+            self.mlp = GatedMLP(hidden, int(cfg["intermediate_size"]), act)
+        self.input_layernorm = RMSNorm(hidden, eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset=1.0)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        mixer = self.linear_attn if self.kind == "linear_attention" else self.self_attn
+        x = x + mixer(h, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        super().__init__()
+        hidden = int(cfg["hidden_size"])
+        self.embed_tokens = nn.Embedding(int(cfg["vocab_size"]), hidden)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, kind) for i, kind in enumerate(_layer_types(cfg))
+        )
+        self.norm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-6)), offset=1.0)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Qwen3.5 text model: ``Qwen3_5ForCausalLM`` / ``Qwen3_5ForConditionalGeneration``, and
+    the MoE variant (``num_experts`` in the config) of ``Qwen3_5Moe*``."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        super().__init__()
+        cfg = _text_config(config)
+        self.config = cfg
+        tie = config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        self.tie_word_embeddings = bool(tie)
+        self.model = Qwen3_5Model(cfg)
+        self.lm_head = nn.Linear(int(cfg["hidden_size"]), int(cfg["vocab_size"]), bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hugging Face names, text-only or multimodal layout; MoE experts either one tensor
+        per expert (``mlp.experts.{e}.gate_proj.weight``) or stacked (``gate_up_proj``)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model.") :]
+            elif name.startswith("language_model."):
+                name = "model." + name[len("language_model.") :]
+            if name.startswith(_IGNORED_PREFIXES):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            for target, expert, part in _split_checkpoint_tensor(name, tensor):
+                if target not in params:
+                    raise KeyError(f"Qwen3.5: unexpected weight {name!r}")
+                dest = params[target] if expert is None else params[target][expert]
+                if tuple(dest.shape) != tuple(part.shape):
+                    raise ValueError(
+                        f"Qwen3.5: weight {name!r} has shape {tuple(part.shape)}, "
+                        f"expected {tuple(dest.shape)}"
+                    )
+                dest.copy_(part.to(dest.dtype))
+                if expert is not None:
+                    loaded.add(f"{target}#{expert}")
+                elif isinstance(self.get_submodule(target.rsplit(".", 1)[0]), SparseMoE):
+                    loaded.update(f"{target}#{e}" for e in range(part.shape[0]))
+                else:
+                    loaded.add(target)
+        expected = set()
+        for pname, param in params.items():
+            if self.tie_word_embeddings and pname == "lm_head.weight":
+                continue
+            if isinstance(self.get_submodule(pname.rsplit(".", 1)[0]), SparseMoE):
+                expected.update(f"{pname}#{e}" for e in range(param.shape[0]))
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise KeyError(f"Qwen3.5: checkpoint is missing weights {missing[:8]}")
+
+
+_EXPERT = re.compile(r"(.+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_STACKED = re.compile(r"(.+\.mlp)\.experts\.(gate_up_proj|down_proj)")
+
+
+def _split_checkpoint_tensor(name: str, tensor: torch.Tensor):
+    """(our parameter, expert index or None, tensor) pieces of one checkpoint tensor."""
+    if m := _EXPERT.fullmatch(name):
+        return [(f"{m[1]}.{m[3]}", int(m[2]), tensor)]
+    if m := _STACKED.fullmatch(name):
+        if m[2] == "down_proj":
+            return [(f"{m[1]}.down_proj", None, tensor)]
+        gate, up = tensor.chunk(2, dim=1)  # [E, 2I, H]: gate rows first
+        return [(f"{m[1]}.gate_proj", None, gate), (f"{m[1]}.up_proj", None, up)]
+    return [(name, None, tensor)]
+
+
+Qwen3_5MoeForCausalLM = Qwen3_5ForCausalLM  # same class; the config decides dense or MoE
+
+
+def tiny_qwen3_5_config() -> dict[str, Any]:
+    """A small Qwen3.5 ``config.json`` (6 layers: GDN, GDN, attention, twice) with a 512-entry
+    vocabulary: 256 byte tokens, then specials (256 = bos, 257 = eos, 258 = pad)."""
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "dtype": "float32",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 6,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention"] * 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "attention_bias": False,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "pad_token_id": 258,
+    }

@@ -1,0 +1,115 @@
+"""Reference (pure PyTorch) access to the paged pool from model layers.
+
+Attention: write the step's K/V into their slots, gather the positions the step's queries
+may read, attend with a causal (+ window / chunk) mask. State layers: read the request's
+state page(s), update, write back. Loops over sequences; projections stay batched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
+
+
+def paged_attention(
+    layer_name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: ForwardBatch,
+    *,
+    scale: float,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for the batch's new tokens -> out [T, Hq, D].
+
+    `window`: each query sees itself and the window - 1 tokens before it. `chunk`: each
+    query sees earlier tokens of its own chunk only.
+    """
+    cache = batch.kv.attention_view(layer_name)  # [N, 2, B, Hkv, D]
+    bs = cache.shape[2]
+    out = torch.empty_like(q)
+    for seq in batch.seqs:
+        table = batch.block_table(layer_name, seq)
+        _write_kv(cache, table, bs, seq, k[seq.start : seq.end], v[seq.start : seq.end])
+        lo = _first_key(seq.num_computed, window, chunk)
+        keys, values = _gather_kv(cache, table, bs, lo, seq.num_tokens)
+        qs = q[seq.start : seq.end]
+        out[seq.start : seq.end] = _attend(qs, keys, values, seq, lo, scale, window, chunk, softcap)
+    return out
+
+
+def _first_key(num_computed: int, window: int | None, chunk: int | None) -> int:
+    if window is not None:
+        return max(0, num_computed - window + 1)
+    if chunk is not None:
+        return (num_computed // chunk) * chunk
+    return 0
+
+
+def _write_kv(cache, table, bs, seq: SeqInfo, k, v) -> None:
+    pos = torch.arange(seq.num_computed, seq.num_tokens)
+    blocks = torch.tensor(table, dtype=torch.long)[pos // bs].to(cache.device)
+    slots = (pos % bs).to(cache.device)
+    cache[blocks, 0, slots] = k.to(cache.dtype)
+    cache[blocks, 1, slots] = v.to(cache.dtype)
+
+
+def _gather_kv(cache, table, bs, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    first, last = lo // bs, (hi - 1) // bs
+    ids = torch.tensor(table[first : last + 1], dtype=torch.long, device=cache.device)
+    kv = cache.index_select(0, ids)  # [nb, 2, B, H, D]
+    kv = kv.transpose(0, 1).flatten(1, 2)  # [2, nb*B, H, D]
+    off = lo - first * bs
+    return kv[0, off : off + hi - lo], kv[1, off : off + hi - lo]
+
+
+def _attend(q, keys, values, seq: SeqInfo, lo, scale, window, chunk, softcap):
+    hq = q.shape[1]
+    hkv = keys.shape[1]
+    qpos = torch.arange(seq.num_computed, seq.num_tokens, device=q.device)[:, None]
+    kpos = torch.arange(lo, seq.num_tokens, device=q.device)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= (qpos - kpos) < window
+    if chunk is not None:
+        allowed &= (kpos // chunk) == (qpos // chunk)
+    keys = keys.to(q.dtype).repeat_interleave(hq // hkv, dim=1)
+    values = values.to(q.dtype).repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = F.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, values)
+
+
+def read_state(layer_name: str, batch: ForwardBatch, seq: SeqInfo) -> list[torch.Tensor]:
+    """The sequence's state tensors for this layer (zeros for a fresh sequence)."""
+    kv = batch.kv
+    table = batch.block_table(layer_name, seq)
+    group = kv.config.group_of(layer_name)
+    if group.blocks_per_state == 1:
+        states = [view[table[0]] for view in kv.state_views(layer_name)]
+        states = [s.clone() for s in states]
+    else:
+        states = kv.read_state(layer_name, table)
+    if seq.num_computed == 0:
+        states = [torch.zeros_like(s) for s in states]
+    return states
+
+
+def write_state(
+    layer_name: str, batch: ForwardBatch, seq: SeqInfo, states: list[torch.Tensor]
+) -> None:
+    kv = batch.kv
+    table = batch.block_table(layer_name, seq)
+    if kv.config.group_of(layer_name).blocks_per_state == 1:
+        for view, s in zip(kv.state_views(layer_name), states, strict=True):
+            view[table[0]].copy_(s)
+    else:
+        kv.write_state(layer_name, table, states)

@@ -1,0 +1,34 @@
+"""Architecture registry: `architectures[0]` of a config.json -> model class."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+#: architecture -> "module:Class" under hybrid_pd.engine.models (imported on first use).
+MODEL_REGISTRY: dict[str, str] = {
+    "Qwen3_5ForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5ForCausalLM",
+    "GraniteMoeHybridForCausalLM": "granite_hybrid:GraniteMoeHybridForCausalLM",
+    "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "gemma3:Gemma3ForCausalLM",
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def model_class(config: dict) -> type[nn.Module]:
+    archs = config.get("architectures") or []
+    if not archs:
+        raise UnsupportedModelError("config.json has no 'architectures' entry")
+    target = MODEL_REGISTRY.get(archs[0])
+    if target is None:
+        known = ", ".join(sorted(MODEL_REGISTRY))
+        raise UnsupportedModelError(
+            f"the engine cannot run architecture {archs[0]!r}; supported: {known}"
+        )
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(f"hybrid_pd.engine.models.{module}"), cls)

@@ -1,0 +1,199 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Each step the scheduler spends a token budget: running requests first (a decode token, or
+the next prefill chunk), then waiting requests in arrival order. When the pool cannot hold
+a running request's next tokens, the most recently admitted request is preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed (prompt + outputs so
+far, so greedy output is unchanged).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybrid_pd.engine.request import Request, Status
+from hybrid_pd.kvcache.ids import BlockId, RequestId
+from hybrid_pd.kvcache.manager import BlockIds, KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    #: End a prefill chunk at the prompt's last block boundary so recurrent-state snapshots
+    #: land where later prompts can hit them (costs one extra step per prompt).
+    align_state_snapshots: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
+            raise ValueError("scheduler limits must be positive (max_model_len >= 2)")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request: Request
+    num_computed: int
+    num_new: int
+    block_ids: BlockIds
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens (a token is sampled)."""
+        return self.num_computed + self.num_new == len(self.request.all_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._has_state = any(g.is_state for g in kv.config.groups)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """Raise ValueError if a request can never run (too long, or larger than the pool)."""
+        total = prompt_len + max_tokens
+        if prompt_len < 1:
+            raise ValueError("the prompt is empty")
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"the model's maximum length of {self.config.max_model_len} tokens"
+            )
+        need = self.kv.config.blocks_per_request(total)
+        have = self.kv.pool.num_blocks - 1
+        if need > have:
+            raise ValueError(
+                f"a request of {total} tokens needs {need} KV blocks but the pool has only "
+                f"{have}; raise --kv-memory or lower max_tokens"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(len(request.prompt_ids), request.params.max_tokens)
+        self.waiting.append(request)
+
+    def abort(self, rid: str) -> Request | None:
+        """Remove a request wherever it is and free its blocks."""
+        for req in list(self.waiting):
+            if req.request_id == rid:
+                self.waiting.remove(req)
+                self._finish(req, "abort")
+                return req
+        for req in self.running:
+            if req.request_id == rid:
+                self.running.remove(req)
+                self._finish(req, "abort")
+                return req
+        return None
+
+    def finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        self._finish(req, req.finish_reason or "stop")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = req.finish_reason or reason
+        self.kv.free(RequestId(req.request_id))
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_uncomputed, budget)
+        prompt_end = len(req.prompt_ids)
+        if self._has_state and self.config.align_state_snapshots and self.kv.enable_caching:
+            bs = self.kv.block_size
+            boundary = ((prompt_end - 1) // bs) * bs
+            if req.num_computed < boundary < req.num_computed + n:
+                n = boundary - req.num_computed
+        return n
+
+    def _preempt(self, out: SchedulerOutput) -> Request:
+        victim = self.running.pop()
+        self.kv.free(RequestId(victim.request_id))
+        victim.num_computed = 0
+        victim.status = Status.WAITING
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim.request_id)
+        logger.info("preempted %s (recompute)", victim.request_id)
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req not in self.running:
+                continue  # preempted earlier in this loop
+            n = self._chunk(req, budget)
+            if n <= 0:
+                continue
+            rid = RequestId(req.request_id)
+            while (ids := self.kv.allocate_slots(rid, req.all_ids, n)) is None:
+                victim = self._preempt(out)
+                if victim is req:
+                    break
+                if victim.request_id in scheduled:
+                    out.seqs = [s for s in out.seqs if s.request is not victim]
+            if ids is None:
+                continue
+            out.seqs.append(ScheduledSeq(req, req.num_computed, n, ids))
+            scheduled.add(req.request_id)
+            budget -= n
+        while (
+            not out.preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            rid = RequestId(req.request_id)
+            hit = self.kv.find_prefix_hit(req.all_ids)
+            req.num_computed = hit.num_tokens
+            n = self._chunk(req, budget)
+            ids = self.kv.allocate_slots(rid, req.all_ids, n, hit)
+            if ids is None:
+                req.num_computed = 0
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.num_cached_tokens = hit.num_tokens
+            self.running.append(req)
+            out.seqs.append(ScheduledSeq(req, req.num_computed, n, ids))
+            budget -= n
+        for seq in out.seqs:
+            out.copies += self.kv.pending_state_copies(RequestId(seq.request.request_id))
+        return out
+
+    def commit(self, seq: ScheduledSeq) -> None:
+        """The step ran: record the computed tokens (and keep a state snapshot at the
+        prompt's last block boundary)."""
+        req = seq.request
+        req.num_computed = seq.num_computed + seq.num_new
+        rid = RequestId(req.request_id)
+        self.kv.commit_computed(rid, req.num_computed)
+        if self._has_state and self.kv.enable_caching and self.config.align_state_snapshots:
+            bs = self.kv.block_size
+            if req.num_computed == ((len(req.prompt_ids) - 1) // bs) * bs > 0:
+                self.kv.snapshot_states(rid)

@@ -1,0 +1,98 @@
+"""Run one of our models on the real paged pool, step by step, for parity tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hybrid_pd.engine.batch import make_batch
+from hybrid_pd.kvcache.grouping import plan_groups
+from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
+from hybrid_pd.kvcache.manager import KVCacheManager
+from hybrid_pd.kvcache.pool import KVPool
+
+
+class PagedRunner:
+    """A model plus a KV cache manager and pool; greedy generation with chunked prefill."""
+
+    def __init__(
+        self,
+        model,
+        hf_config: dict,
+        *,
+        block_size: int = 4,
+        num_blocks: int = 512,
+        kv_dtype: str = "float32",
+        device: str | torch.device | None = None,
+        enable_caching: bool = True,
+    ) -> None:
+        spec = cache_spec_from_config(hf_config, dtype=kv_dtype)
+        self.config = plan_groups(spec, block_size=block_size, ref_len=256)
+        self.mgr = KVCacheManager(self.config, num_blocks, enable_caching)
+        self.pool = KVPool(self.config, num_blocks, device=device)
+        self.model = model
+
+    @torch.no_grad()
+    def step(self, work: Sequence[tuple[str, list[int], list[int]]]) -> torch.Tensor:
+        """One forward over several requests: (request id, all tokens so far, new tokens).
+        Returns float32 logits of each request's last new token, [len(work), vocab]."""
+        seqs = []
+        for rid, tokens, new in work:
+            hit = None
+            if not self.mgr.has_request(rid):
+                hit = self.mgr.find_prefix_hit(tokens)
+                if hit.num_tokens:
+                    new = tokens[hit.num_tokens :]
+            computed = (
+                self.mgr.num_computed(rid)
+                if self.mgr.has_request(rid)
+                else (hit.num_tokens if hit else 0)
+            )
+            ids = self.mgr.allocate_slots(rid, tokens, len(new), hit)
+            assert ids is not None, "pool too small for the test"
+            self.pool.copy_blocks(self.mgr.pending_state_copies(rid))
+            self.mgr.finish_state_copies(rid)
+            seqs.append((rid, list(new), computed, ids))
+        batch = make_batch(self.pool, seqs)
+        hidden = self.model(batch)
+        logits = self.model.compute_logits(hidden[batch.last_token_indices()])
+        for rid, new, computed, _ in seqs:
+            self.mgr.commit_computed(rid, computed + len(new))
+        return logits.float()
+
+    def generate(
+        self,
+        prompts: Sequence[list[int]],
+        max_new: int,
+        chunk: int | None = None,
+    ) -> tuple[list[list[int]], list[torch.Tensor]]:
+        """Greedy tokens per prompt (batched decode) and each prompt's first-step logits."""
+        # One list per request, grown in place: the manager keeps a reference to the list it
+        # is first given and hashes (for the prefix cache) the tokens appended to it later.
+        tokens: list[list[int]] = [[] for _ in prompts]
+        rids = [f"req{i}-{id(self)}" for i in range(len(prompts))]
+        first_logits: list[torch.Tensor] = [None] * len(prompts)  # type: ignore[list-item]
+        done = [0] * len(prompts)
+        while any(done[i] < len(p) for i, p in enumerate(prompts)):  # chunked prefill
+            work = []
+            for i, p in enumerate(prompts):
+                if done[i] < len(p):
+                    n = len(p) - done[i] if chunk is None else min(chunk, len(p) - done[i])
+                    work.append((i, p[done[i] : done[i] + n]))
+            for i, new in work:
+                tokens[i].extend(new)
+            logits = self.step([(rids[i], tokens[i], new) for i, new in work])
+            for (i, new), row in zip(work, logits, strict=True):
+                done[i] += len(new)
+                if done[i] == len(prompts[i]):
+                    first_logits[i] = row
+                    tokens[i].append(int(row.argmax()))
+        for _ in range(max_new - 1):
+            logits = self.step([(rids[i], tokens[i], tokens[i][-1:]) for i in range(len(prompts))])
+            for i, row in enumerate(logits):
+                tokens[i].append(int(row.argmax()))
+        for rid in rids:
+            self.mgr.free(rid)
+        self.mgr.check_integrity()
+        return [t[len(p) :] for t, p in zip(tokens, prompts, strict=True)], first_logits
