@@ -10,6 +10,8 @@ from torch import nn
 MODEL_REGISTRY: dict[str, str] = {
     "Qwen3_5ForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5:Qwen3_5ForCausalLM",
     "GraniteMoeHybridForCausalLM": "granite_hybrid:GraniteMoeHybridForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3ForCausalLM",
