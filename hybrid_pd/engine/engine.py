@@ -42,13 +42,19 @@ class RequestOutput:
     finish_reason: str | None
     num_cached_tokens: int = 0
     text: str | None = None
+    kv_transfer_params: dict | None = None
 
 
 class Engine:
     """Runs one model on one device. Not thread-safe: drive it from one thread."""
 
-    def __init__(self, model, hf_config: dict, config: EngineConfig, tokenizer=None) -> None:
+    def __init__(
+        self, model, hf_config: dict, config: EngineConfig, tokenizer=None, connector=None
+    ) -> None:
+        """`connector` (prefill role) implements `request_finished_all_groups`; requests added
+        with `remote_decode=True` stop after their first token and hand their KV to it."""
         self.model = model
+        self.connector = connector
         self.tokenizer = tokenizer
         self.config = config
         param = next(model.parameters())
@@ -71,20 +77,80 @@ class Engine:
 
     # -- request API ------------------------------------------------------------------------
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        remote_decode: bool = False,
+        output_ids: Sequence[int] = (),
     ) -> str:
-        """Queue a request; raises ValueError (and queues nothing) if it can never run."""
+        """Queue a request; raises ValueError (and queues nothing) if it can never run.
+
+        `output_ids`: tokens already generated elsewhere (e.g. the first token sampled by a
+        prefill worker); they are recomputed with the prompt and count toward max_tokens.
+        """
+        req = self._new_request(prompt_ids, params, request_id, output_ids)
+        if remote_decode and self.connector is None:
+            raise ValueError("remote_decode needs an engine with a connector")
+        req.remote_decode = remote_decode
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        return req.request_id
+
+    def _new_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None,
+        output_ids: Sequence[int] = (),
+    ) -> Request:
         rid = request_id or f"req-{next(self._ids)}"
-        if rid in self.requests:
+        if rid in self.requests or self.kv.has_request(RequestId(rid)):
             raise ValueError(f"request id {rid!r} is already in use")
         vocab = self.vocab_size
-        if any(not 0 <= int(t) < vocab for t in prompt_ids):
+        if any(not 0 <= int(t) < vocab for t in [*prompt_ids, *output_ids]):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        req = Request(rid, [int(t) for t in prompt_ids], params, self.eos_token_ids)
+        if len(output_ids) >= params.max_tokens:
+            raise ValueError("the request already has max_tokens output tokens")
+        self.scheduler.check_fits(len(prompt_ids), params.max_tokens)
+        prompt = [int(t) for t in prompt_ids]
+        req = Request(rid, prompt, params, self.eos_token_ids)
+        req.all_ids = prompt + [int(t) for t in output_ids]
         req.generator = make_generator(params, self.device)
-        self.scheduler.add(req)
-        self.requests[rid] = req
-        return rid
+        return req
+
+    # -- KV received from a prefill worker (decode role) ------------------------------------
+    def reserve_remote(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        first_token: int,
+        params: SamplingParams,
+    ) -> tuple[Request, tuple[list[int], ...]] | None:
+        """Allocate blocks for a request whose prompt KV will arrive from a prefill worker.
+        Returns (request, per-group block ids to fill) or None when the pool is short now.
+        Follow with `activate_remote` once the bytes are in place, or `cancel_remote`."""
+        req = self._new_request(prompt_ids, params, request_id, [first_token])
+        ids = self.kv.allocate_external(RequestId(req.request_id), req.all_ids, len(req.prompt_ids))
+        if ids is None:
+            return None
+        req.num_computed = len(req.prompt_ids)
+        self.requests[req.request_id] = req
+        return req, ids
+
+    def activate_remote(self, req: Request) -> None:
+        """The KV of the prompt is in place: start decoding from prompt + first token."""
+        self.kv.commit_computed(RequestId(req.request_id), req.num_computed)
+        self.scheduler.add_running(req)
+
+    def cancel_remote(self, req: Request) -> None:
+        self.kv.free(RequestId(req.request_id))
+        self.requests.pop(req.request_id, None)
+
+    def free_request_blocks(self, request_id: str) -> None:
+        """Free blocks a connector kept for a handed-over request (safe to call twice)."""
+        self.kv.free(RequestId(request_id))
 
     def abort(self, request_id: str) -> bool:
         req = self.scheduler.abort(request_id)
@@ -131,11 +197,23 @@ class Engine:
             req = sched.seqs[i].request
             req.append_token(token)
             self._check_stop_strings(req)
-            if req.finish_reason is not None:
+            if req.finish_reason is None and req.remote_decode:
+                self._hand_over(req)
+            elif req.finish_reason is not None:
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
             outputs.append(self._output(req))
         return outputs
+
+    def _hand_over(self, req: Request) -> None:
+        """Prefill role: the first token is sampled; keep the KV for a decode worker."""
+        rid = RequestId(req.request_id)
+        self.kv.release_out_of_window(rid)
+        keep, params = self.connector.request_finished_all_groups(req, self.kv.block_ids(rid))
+        req.finish_reason = "remote_decode"
+        req.kv_transfer_params = params
+        self.scheduler.finish(req, free_blocks=not keep)
+        self.requests.pop(req.request_id, None)
 
     def _check_stop_strings(self, req: Request) -> None:
         if not req.params.stop or self.tokenizer is None or req.finish_reason:
@@ -160,6 +238,7 @@ class Engine:
             req.finish_reason,
             req.num_cached_tokens,
             text,
+            req.kv_transfer_params,
         )
 
     def generate(

@@ -31,6 +31,10 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    #: Prefill role: stop after the first token and hand the KV to a decode worker.
+    remote_decode: bool = False
+    #: Set when the KV was handed over: what the decode worker needs to pull it.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.all_ids:

@@ -106,15 +106,23 @@ class Scheduler:
                 return req
         return None
 
-    def finish(self, req: Request) -> None:
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose blocks are already allocated and filled (KV received)."""
+        request.status = Status.RUNNING
+        self.running.append(request)
+
+    def finish(self, req: Request, free_blocks: bool = True) -> None:
+        """Retire a request. With `free_blocks=False` its blocks stay allocated under its
+        id (a connector keeps them for a decode worker) until `kv.free` is called."""
         if req in self.running:
             self.running.remove(req)
-        self._finish(req, req.finish_reason or "stop")
+        self._finish(req, req.finish_reason or "stop", free_blocks)
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, free_blocks: bool = True) -> None:
         req.status = Status.FINISHED
         req.finish_reason = req.finish_reason or reason
-        self.kv.free(RequestId(req.request_id))
+        if free_blocks:
+            self.kv.free(RequestId(req.request_id))
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_uncomputed, budget)

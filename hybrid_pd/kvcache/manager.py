@@ -154,6 +154,25 @@ class KVCacheManager:
             m.allocate(rid, total)
         return self.block_ids(rid)
 
+    def allocate_external(
+        self, rid: RequestId, token_ids: Sequence[int], num_tokens: int
+    ) -> BlockIds | None:
+        """Blocks for a new request whose first `num_tokens` tokens were computed elsewhere
+        (a KV transfer fills them): only what later steps read. Returns None, changing
+        nothing, when the pool is short. The caller commits (`commit_computed`) once the
+        bytes are in place, or frees the request if the transfer fails."""
+        if rid in self._records:
+            raise ValueError(f"request {rid} already holds blocks")
+        need = sum(m.num_tail_blocks(num_tokens) for m in self.managers)
+        if need > self.pool.num_free_blocks:
+            return None
+        rec = _Record(token_ids if isinstance(token_ids, list) else list(token_ids))
+        rec.num_computed = num_tokens
+        self._records[rid] = rec
+        for m in self.managers:
+            m.allocate_tail(rid, num_tokens)
+        return self.block_ids(rid)
+
     def release_out_of_window(self, rid: RequestId) -> None:
         """Free blocks that no future query of the request reads (sliding window, chunks)."""
         rec = self._records[rid]

@@ -95,6 +95,17 @@ class GroupManager:
         n = self.num_new_blocks(rid, num_tokens)
         self.req_blocks.setdefault(rid, []).extend(self.pool.allocate(n))
 
+    def num_tail_blocks(self, num_tokens: int) -> int:
+        """Blocks a request needs to continue after `num_tokens` computed elsewhere."""
+        return self.group.blocks_needed(num_tokens, self.block_size)
+
+    def allocate_tail(self, rid: RequestId, num_tokens: int) -> None:
+        """Blocks for a request whose first `num_tokens` tokens arrive from elsewhere: the
+        null block for positions no future query reads, fresh blocks for the rest."""
+        first = self.first_needed_block(num_tokens)
+        fresh = self.pool.allocate(self.num_tail_blocks(num_tokens))
+        self.req_blocks[rid] = [self.pool.null_block] * first + fresh
+
     def cache_computed(
         self, rid: RequestId, hashes: Sequence[BlockHash], num_computed: int
     ) -> None:
@@ -185,6 +196,9 @@ class StateManager(GroupManager):
 
     def release_skipped(self, rid: RequestId, num_computed: int) -> None:
         return None  # the state is always needed
+
+    def allocate_tail(self, rid: RequestId, num_tokens: int) -> None:
+        self.req_blocks[rid] = self.pool.allocate(self.span)
 
     def allocate(self, rid: RequestId, num_tokens: int) -> None:
         if self.num_new_blocks(rid, num_tokens):
