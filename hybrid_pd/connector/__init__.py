@@ -1,0 +1,1 @@
+"""KV connector: SupportsHMA roles, gRPC control plane, UCX data plane."""

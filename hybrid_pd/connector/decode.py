@@ -1,0 +1,223 @@
+"""Decode side: pull a handed-over request's KV into freshly allocated blocks.
+
+handshake (once per prefill worker: layouts must match)
+post UCX receives straight into the destination runs
+PullKV over gRPC (prefill sends the runs) → wait for the receives → Release
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from hybrid_pd.connector.base import TransferFailed
+from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
+from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.params import KVTransferParams
+from hybrid_pd.connector.segments import plan_segments
+from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
+from hybrid_pd.proto import kv_control_pb2 as pb
+from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    bytes: int
+    messages: int
+    seconds: float
+
+
+@dataclass
+class _Peer:
+    channel: grpc.Channel
+    stub: pb_grpc.KVControlStub
+    ucx_address: bytes
+    engine_id: str
+
+
+class DecodeConnector:
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        layout: KVLayout,
+        transport,
+        region: Callable[[int, int], object],
+        secret: str | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        self.engine_id = engine_id
+        self.layout = layout
+        self.transport = transport
+        self._region = region
+        self._metadata = call_metadata(secret)
+        self.timeout_s = timeout_s
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        # Tags: a random per-connector base plus a counter, 2**16 messages per transfer.
+        self._tag_base = secrets.randbits(24) << 40
+        self._counter = itertools.count()
+        self.stats = {"pulls": 0, "failed": 0, "bytes": 0, "messages": 0}
+
+    def _peer(self, address: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(address)
+        if peer is not None:
+            return peer
+        channel = grpc.insecure_channel(address)
+        stub = pb_grpc.KVControlStub(channel)
+        try:
+            reply = stub.Handshake(
+                pb.HandshakeRequest(
+                    engine_id=self.engine_id,
+                    layout=layout_to_pb(self.layout),
+                    ucx_address=self.transport.address,
+                ),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as e:
+            channel.close()
+            raise TransferFailed(f"prefill worker {address} unreachable: {_rpc_error(e)}") from e
+        if not reply.ok:
+            channel.close()
+            raise TransferFailed(f"prefill worker {address} refused the handshake: {reply.error}")
+        diff = self.layout.difference(layout_from_pb(reply.layout))
+        if diff:
+            channel.close()
+            raise TransferFailed(f"prefill worker {address}: {diff}")
+        peer = _Peer(channel, stub, reply.ucx_address, reply.engine_id)
+        with self._lock:
+            self._peers.setdefault(address, peer)
+        return peer
+
+    def forget_peer(self, address: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(address, None)
+        if peer is not None:
+            peer.channel.close()
+
+    def pull(self, params: KVTransferParams, dst_block_ids: tuple[list[int], ...]) -> TransferStats:
+        """Fill `dst_block_ids` (this worker's blocks, per group, null blocks included) with
+        the request's KV; then release it on the prefill worker. Raises TransferFailed."""
+        t0 = time.perf_counter()
+        if params.fingerprint != self.layout.fingerprint:
+            raise TransferFailed("KV layout fingerprint of the prefill worker differs from ours")
+        dst = [[b for b in g if b != NULL_BLOCK_ID] for g in dst_block_ids]
+        try:
+            segments = plan_segments(params.block_ids, dst)
+        except ValueError as e:
+            raise TransferFailed(f"kv_transfer_params do not fit this request: {e}") from e
+        if len(segments) >= 1 << 16:
+            raise TransferFailed("transfer too fragmented (over 65536 runs)")
+        peer = self._peer(params.control_address)
+        tag = self._tag_base | (next(self._counter) % (1 << 24)) << 16
+        handle = self.transport.post_recv(
+            peer.ucx_address, tag, [self._region(s.dst, s.length) for s in segments]
+        )
+        try:
+            reply = peer.stub.PullKV(
+                pb.PullRequest(
+                    request_id=params.request_id,
+                    transfer_token=params.transfer_token,
+                    engine_id=self.engine_id,
+                    ucx_address=self.transport.address,
+                    tag=tag,
+                    dst_blocks=[pb.BlockIds(ids=g) for g in dst],
+                ),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
+            )
+            if not reply.ok:
+                raise TransferFailed(f"prefill worker refused the pull: {reply.error}")
+            handle.wait(self.timeout_s)
+        except grpc.RpcError as e:
+            handle.cancel()
+            self.forget_peer(params.control_address)
+            self.stats["failed"] += 1
+            raise TransferFailed(
+                f"prefill worker {params.control_address} failed during the pull: {_rpc_error(e)}"
+            ) from e
+        except Exception:
+            handle.cancel()
+            self.stats["failed"] += 1
+            raise
+        self._release(peer, params)
+        stats = TransferStats(reply.bytes, reply.messages, time.perf_counter() - t0)
+        self.stats["pulls"] += 1
+        self.stats["bytes"] += stats.bytes
+        self.stats["messages"] += stats.messages
+        return stats
+
+    def _release(self, peer: _Peer, params: KVTransferParams) -> None:
+        try:
+            reply = peer.stub.Release(
+                pb.ReleaseRequest(
+                    request_id=params.request_id, transfer_token=params.transfer_token
+                ),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
+            )
+            if not reply.ok:
+                logger.warning("release of %s: %s", params.request_id, reply.error)
+        except grpc.RpcError as e:  # the lease expires on its own
+            logger.warning(
+                "release of %s failed (%s); its lease will expire", params.request_id, _rpc_error(e)
+            )
+
+    def abort(self, params: KVTransferParams) -> None:
+        """Tell the prefill worker to drop the request's KV now (best effort)."""
+        try:
+            peer = self._peer(params.control_address)
+            peer.stub.Abort(
+                pb.AbortRequest(request_id=params.request_id, transfer_token=params.transfer_token),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
+            )
+        except (grpc.RpcError, TransferFailed) as e:
+            logger.warning("abort of %s not delivered: %s", params.request_id, e)
+
+    def heartbeat(self, params: list[KVTransferParams]) -> list[str]:
+        """Extend the leases of requests still to be pulled; returns ids the prefill workers
+        no longer keep."""
+        lost: list[str] = []
+        by_peer: dict[str, list[KVTransferParams]] = {}
+        for p in params:
+            by_peer.setdefault(p.control_address, []).append(p)
+        for address, group in by_peer.items():
+            try:
+                reply = self._peer(address).stub.Heartbeat(
+                    pb.HeartbeatRequest(
+                        engine_id=self.engine_id,
+                        request_ids=[p.request_id for p in group],
+                        transfer_tokens=[p.transfer_token for p in group],
+                    ),
+                    timeout=self.timeout_s,
+                    metadata=self._metadata,
+                )
+                lost += list(reply.unknown_request_ids)
+            except (grpc.RpcError, TransferFailed):
+                lost += [p.request_id for p in group]
+        return lost
+
+    def close(self) -> None:
+        with self._lock:
+            peers = list(self._peers.values())
+            self._peers.clear()
+        for p in peers:
+            p.channel.close()
+
+
+def _rpc_error(e: grpc.RpcError) -> str:
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    return f"{code.name if code else 'error'}: {details}"

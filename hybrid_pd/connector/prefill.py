@@ -1,0 +1,201 @@
+"""Prefill side: keep handed-over blocks under a lease and serve pulls.
+
+request_finished_all_groups ──► lease(request id, token, blocks, expiry)
+PullKV(token, dst blocks) ──► UCX send of contiguous runs ──► reply (bytes, messages)
+Release / Abort / lease expiry ──► free the blocks (exactly once)
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hybrid_pd.connector.base import TransferFailed
+from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.params import KVTransferParams
+from hybrid_pd.connector.segments import plan_segments
+from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 30.0
+
+
+@dataclass
+class Lease:
+    request_id: str
+    token: str
+    block_ids: tuple[tuple[int, ...], ...]
+    expires_at: float
+    pulling: int = 0
+    #: Released or aborted while a pull was sending: free when the pull ends.
+    free_after_pull: bool = False
+
+
+@dataclass(frozen=True)
+class PullResult:
+    bytes: int
+    messages: int
+
+
+class PrefillConnector:
+    """Implements SupportsHMA for the prefill role."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        layout: KVLayout,
+        control_address: str,
+        free_blocks: Callable[[str], None],
+        region: Callable[[int, int], object],
+        transport,
+        lease_s: float = DEFAULT_LEASE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`free_blocks(request_id)` frees a kept request in the engine (thread-safe);
+        `region(first_block, n)` returns the contiguous tensor of n blocks; `transport`
+        sends regions (UcxTransport)."""
+        self.engine_id = engine_id
+        self.layout = layout
+        self.control_address = control_address
+        self._free_blocks = free_blocks
+        self._region = region
+        self.transport = transport
+        self.lease_s = lease_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._leases: dict[str, Lease] = {}
+        self.stats = {
+            "handed_over": 0,
+            "pulled": 0,
+            "released": 0,
+            "expired": 0,
+            "aborted": 0,
+            "bad_token": 0,
+            "bytes_sent": 0,
+            "messages_sent": 0,
+        }
+
+    # -- SupportsHMA ------------------------------------------------------------------------
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+        kept = tuple(tuple(b for b in g if b != NULL_BLOCK_ID) for g in block_ids)
+        token = secrets.token_urlsafe(32)
+        lease = Lease(request.request_id, token, kept, self._clock() + self.lease_s)
+        with self._lock:
+            self._leases[request.request_id] = lease
+            self.stats["handed_over"] += 1
+        params = KVTransferParams(
+            request_id=request.request_id,
+            block_ids=kept,
+            prompt_len=len(request.prompt_ids),
+            first_token=request.output_ids[0],
+            engine_id=self.engine_id,
+            control_address=self.control_address,
+            fingerprint=self.layout.fingerprint,
+            transfer_token=token,
+        )
+        return True, params.to_dict()
+
+    # -- control handlers -------------------------------------------------------------------
+    def _lease(self, request_id: str, token: str) -> Lease:
+        lease = self._leases.get(request_id)
+        if lease is None:
+            raise TransferFailed(
+                f"no KV kept for request {request_id!r} (expired, released or never handed over)"
+            )
+        if not hmac.compare_digest(lease.token.encode(), token.encode()):
+            self.stats["bad_token"] += 1
+            logger.warning("rejected a KV call for %s: wrong transfer token", request_id)
+            raise TransferFailed(f"wrong transfer token for request {request_id!r}")
+        return lease
+
+    def pull(
+        self,
+        request_id: str,
+        token: str,
+        dst_blocks: list[list[int]],
+        peer: bytes,
+        tag: int,
+        timeout: float = 30.0,
+    ) -> PullResult:
+        """Send the request's kept blocks to `peer` into `dst_blocks` (per group)."""
+        with self._lock:
+            lease = self._lease(request_id, token)
+            lease.pulling += 1
+            lease.expires_at = max(lease.expires_at, self._clock() + self.lease_s)
+        try:
+            segments = plan_segments(lease.block_ids, dst_blocks)
+            regions = [self._region(s.src, s.length) for s in segments]
+            self.transport.send(peer, tag, regions, timeout)
+        except ValueError as e:
+            raise TransferFailed(f"request {request_id}: {e}") from e
+        finally:
+            with self._lock:
+                lease.pulling -= 1
+                free_now = lease.free_after_pull and lease.pulling == 0
+            if free_now:
+                self._free(lease)
+        nbytes = sum(s.length for s in segments) * self.layout.page_size_bytes
+        with self._lock:
+            self.stats["pulled"] += 1
+            self.stats["bytes_sent"] += nbytes
+            self.stats["messages_sent"] += len(segments)
+        return PullResult(nbytes, len(segments))
+
+    def release(self, request_id: str, token: str, reason: str = "released") -> None:
+        with self._lock:
+            self._lease(request_id, token)
+            lease = self._leases.pop(request_id)
+            self.stats[reason] += 1
+            if lease.pulling:  # the blocks are being read: free them when the pull ends
+                lease.free_after_pull = True
+                return
+        self._free(lease)
+
+    def heartbeat(self, pairs: list[tuple[str, str]]) -> list[str]:
+        """Extend leases; returns the request ids that are not (or no longer) kept."""
+        unknown = []
+        with self._lock:
+            now = self._clock()
+            for rid, token in pairs:
+                lease = self._leases.get(rid)
+                if lease is None or not hmac.compare_digest(lease.token.encode(), token.encode()):
+                    unknown.append(rid)
+                else:
+                    lease.expires_at = now + self.lease_s
+        return unknown
+
+    def expire(self) -> int:
+        """Free every lease past its expiry that is not being pulled; returns how many."""
+        with self._lock:
+            now = self._clock()
+            dead = [ls for ls in self._leases.values() if ls.expires_at < now and not ls.pulling]
+            for lease in dead:
+                del self._leases[lease.request_id]
+                self.stats["expired"] += 1
+        for lease in dead:
+            logger.warning("lease of %s expired; freeing its blocks", lease.request_id)
+            self._free(lease)
+        return len(dead)
+
+    def _free(self, lease: Lease) -> None:
+        self._free_blocks(lease.request_id)
+
+    @property
+    def num_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def close(self) -> None:
+        """Free every kept request (worker shutdown)."""
+        with self._lock:
+            leases = list(self._leases.values())
+            self._leases.clear()
+        for lease in leases:
+            self._free(lease)

@@ -1,0 +1,1 @@
+"""Wire schema (gRPC): the .proto files and their generated modules."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible front door and the clients it uses to reach workers."""

@@ -1,0 +1,101 @@
+"""Client of the Worker gRPC service (what a proxy uses)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from hybrid_pd.proto import worker_pb2 as pb
+from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
+
+SECRET_HEADER = "x-hybrid-pd-secret"
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    finished: bool
+    finish_reason: str
+    kv_transfer_params: dict | None
+
+
+@dataclass
+class GenerateResult:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    error: str = ""
+    transfer: dict = field(default_factory=dict)
+
+
+class WorkerClient:
+    def __init__(self, address: str, secret: str | None = None, timeout_s: float = 300.0):
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.WorkerStub(self._channel)
+        self._metadata = ((SECRET_HEADER, secret),) if secret else ()
+        self.timeout_s = timeout_s
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def prefill(
+        self, request_id: str, prompt_ids: list[int], sampling: pb.Sampling
+    ) -> PrefillResult:
+        reply = self._stub.Prefill(
+            pb.PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling),
+            timeout=self.timeout_s,
+            metadata=self._metadata,
+        )
+        kv = json.loads(reply.kv_transfer_params_json) if reply.kv_transfer_params_json else None
+        return PrefillResult(reply.first_token, reply.finished, reply.finish_reason, kv)
+
+    def generate_stream(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: pb.Sampling,
+        kv_transfer_params: dict | None = None,
+        failure_policy: str = "",
+    ) -> Iterator[pb.GenerateChunk]:
+        return self._stub.Generate(
+            pb.GenerateRequest(
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                sampling=sampling,
+                kv_transfer_params_json=json.dumps(kv_transfer_params)
+                if kv_transfer_params
+                else "",
+                failure_policy=failure_policy,
+            ),
+            timeout=self.timeout_s,
+            metadata=self._metadata,
+        )
+
+    def generate(self, *args, **kwargs) -> GenerateResult:
+        out = GenerateResult()
+        for chunk in self.generate_stream(*args, **kwargs):
+            out.token_ids += list(chunk.token_ids)
+            if chunk.HasField("transfer") and not out.transfer:
+                t = chunk.transfer
+                out.transfer = {
+                    "bytes": t.bytes,
+                    "messages": t.messages,
+                    "seconds": t.seconds,
+                    "recomputed": t.recomputed,
+                }
+            if chunk.finished:
+                out.finish_reason = chunk.finish_reason
+                out.error = chunk.error
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        return self._stub.Abort(
+            pb.AbortRequest(request_id=request_id), timeout=self.timeout_s, metadata=self._metadata
+        ).ok
+
+    def stats(self) -> dict:
+        reply = self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata)
+        return json.loads(reply.json)

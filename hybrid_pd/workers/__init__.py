@@ -1,0 +1,1 @@
+"""Prefill and decode workers: an engine, its connector role and gRPC services."""

@@ -1,0 +1,83 @@
+"""Run one worker as a process: `python -m hybrid_pd.workers.main --role prefill ...`.
+
+Prints one JSON line ({"address": ..., "engine_id": ...}) on stdout when serving, then
+serves until SIGTERM/SIGINT or until stdin closes (so a parent that dies takes it along).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from hybrid_pd.engine.engine import EngineConfig
+from hybrid_pd.kvcache.planner import parse_bytes
+from hybrid_pd.workers.worker import ROLES, Worker, WorkerConfig
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="hybrid-pd-worker")
+    p.add_argument("--role", choices=ROLES, required=True)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--kv-memory", default="256MiB")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--secret", default=None)
+    p.add_argument("--lease-s", type=float, default=30.0)
+    p.add_argument("--failure-policy", choices=("recompute", "fail"), default="recompute")
+    p.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    config = WorkerConfig(
+        role=args.role,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        engine=EngineConfig(
+            kv_memory_bytes=parse_bytes(args.kv_memory),
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+        ),
+        secret=args.secret,
+        lease_s=args.lease_s,
+        failure_policy=args.failure_policy,
+        transfer_timeout_s=args.transfer_timeout_s,
+    )
+    worker = Worker(config)
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    if args.watch_stdin:
+        threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    print(
+        json.dumps({"address": worker.address, "engine_id": worker.engine_id, "role": args.role}),
+        flush=True,
+    )
+    done.wait()
+    worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
