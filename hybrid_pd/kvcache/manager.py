@@ -128,12 +128,13 @@ class KVCacheManager:
     ) -> BlockIds | None:
         """Reserve slots for `num_new_tokens` more tokens of request `rid`.
 
-        `token_ids` is every token of the request known so far (prompt and output); the
-        manager keeps a reference and hashes full blocks as they appear. `hit` (first call
-        only) is a fresh result of `find_prefix_hit`. Blocks out of every query's reach are
-        released first. Returns the per-group block ids, or None when the pool is short (the
-        request's allocation is then unchanged, though released out-of-window blocks stay
-        released).
+        `token_ids` is every token of the request known so far (prompt and output). The
+        manager keeps a reference to the list of the first call and hashes full blocks as
+        they are appended to it (later calls' lists are not read: append to the same list).
+        `hit` (first call only) is a fresh result of `find_prefix_hit`. Blocks out of every
+        query's reach are released first. Returns the per-group block ids, or None when the
+        pool is short (the allocation is then unchanged, though released out-of-window
+        blocks stay released).
         """
         rec = self._records.get(rid)
         if rec is not None:
@@ -163,6 +164,8 @@ class KVCacheManager:
         bytes are in place, or frees the request if the transfer fails."""
         if rid in self._records:
             raise ValueError(f"request {rid} already holds blocks")
+        if not 0 < num_tokens <= len(token_ids):
+            raise ValueError("num_tokens must be between 1 and the number of known tokens")
         need = sum(m.num_tail_blocks(num_tokens) for m in self.managers)
         if need > self.pool.num_free_blocks:
             return None
