@@ -152,10 +152,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-memory", default="256MiB", help="KV cache memory (bytes or 1GiB)")
     p.add_argument("--device", default=None, help="torch device (default: torch's default)")
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    p.add_argument(
+        "--disaggregated",
+        action="store_true",
+        help="prefill in one worker process, decode in another (KV over UCX)",
+    )
+    p.add_argument(
+        "--failure-policy",
+        choices=("recompute", "fail"),
+        default="recompute",
+        help="decode's reaction to a failed KV pull (with --disaggregated)",
+    )
     p.set_defaults(func=_cmd_generate)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    if args.disaggregated:
+        return _cmd_generate_pd(args)
     from hybrid_pd.engine.engine import Engine, EngineConfig
     from hybrid_pd.engine.loader import load_model
     from hybrid_pd.engine.sampling import SamplingParams
@@ -189,6 +202,79 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         "prompt_tokens": len(out.prompt_ids),
     }
     print(json.dumps(result) if args.json else result["text"])
+    return 0
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        except ValueError:
+            raise ValueError("--prompt-ids takes integers separated by commas") from None
+    if tokenizer is None:
+        raise ValueError("this checkpoint has no tokenizer.json: use --prompt-ids")
+    return tokenizer.encode(args.prompt)
+
+
+def _cmd_generate_pd(args: argparse.Namespace) -> int:
+    """One prefill and one decode worker process on 127.0.0.1; this process is the proxy."""
+    from hybrid_pd.engine.sampling import SamplingParams
+    from hybrid_pd.engine.tiny import resolve_model
+    from hybrid_pd.engine.tokenizer import Tokenizer
+    from hybrid_pd.launcher.local import start_worker
+    from hybrid_pd.proxy.worker_client import WorkerClient
+    from hybrid_pd.workers.service import sampling_to_pb
+
+    path = resolve_model(args.model)
+    tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
+    prompt = _prompt_ids(args, tokenizer)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    common = [
+        "--model",
+        str(path),
+        "--kv-memory",
+        args.kv_memory,
+        "--failure-policy",
+        args.failure_policy,
+    ]
+    if args.device:
+        common += ["--device", args.device]
+    workers = []
+    try:
+        workers.append(start_worker("prefill", *common))
+        workers.append(start_worker("decode", *common))
+        prefill, decode = (WorkerClient(w.address) for w in workers)
+        sampling = sampling_to_pb(params)
+        first = prefill.prefill("cli-0", prompt, sampling)
+        if first.finished:
+            tokens, reason, transfer = [first.first_token], first.finish_reason, {}
+        else:
+            out = decode.generate("cli-0", prompt, sampling, first.kv_transfer_params)
+            if out.error:
+                raise RuntimeError(f"decode failed: {out.error}")
+            tokens, reason, transfer = out.token_ids, out.finish_reason, out.transfer
+            transfer["blocks"] = sum(len(g) for g in first.kv_transfer_params["block_ids"])
+        stats = [c.stats() for c in (prefill, decode)]
+    finally:
+        for w in workers:
+            w.stop()
+    text = tokenizer.decode(tokens) if tokenizer else ""
+    result = {
+        "token_ids": tokens,
+        "text": text,
+        "finish_reason": reason,
+        "prompt_tokens": len(prompt),
+        "transfer": transfer,
+        "leaked_blocks": {s["role"]: s["num_blocks"] - 1 - s["free_blocks"] for s in stats},
+    }
+    print(json.dumps(result) if args.json else text)
     return 0
 
 

@@ -1,0 +1,70 @@
+"""Tiny random checkpoints of the three engine architectures, saved in Hugging Face format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybrid_pd.engine.tiny import ensure_tiny, write_byte_tokenizer
+
+SW_WINDOW = 16
+MAMBA_CHUNK = 16
+
+
+def qwen3_5(root: Path) -> Path:
+    return ensure_tiny(root)
+
+
+def granite_hybrid(root: Path) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GraniteMoeHybridConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "mamba"], num_local_experts=4,
+        num_experts_per_tok=2, mamba_n_heads=8, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2, mamba_n_groups=2, mamba_chunk_size=MAMBA_CHUNK,
+        position_embedding_type="rope", embedding_multiplier=2.0, attention_multiplier=0.12,
+        residual_multiplier=0.6, logits_scaling=2.5, initializer_range=0.2,
+        max_position_embeddings=2048, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    model = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.mamba is not None:
+                layer.mamba.A_log.uniform_(-1.0, 1.0)
+                layer.mamba.dt_bias.uniform_(-2.0, 0.5)
+    return _save(model, root / "granite")
+
+
+def gemma3(root: Path) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=2048, sliding_window=SW_WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24, initializer_range=0.05, eos_token_id=None, pad_token_id=0,
+        bos_token_id=2,
+    )
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 2.0)
+    return _save(model, root / "gemma3")
+
+
+def _save(model, folder: Path) -> Path:
+    if not (folder / "config.json").exists():
+        model.save_pretrained(folder, safe_serialization=True)
+        write_byte_tokenizer(folder)
+    return folder
+
+
+BUILDERS = {"qwen3_5": qwen3_5, "granite_hybrid": granite_hybrid, "gemma3": gemma3}

@@ -1,0 +1,116 @@
+"""Connector pieces without processes: run planning, params parsing, layouts, leases."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_pd.connector.base import SupportsHMA, TransferFailed
+from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.params import KVTransferParams
+from hybrid_pd.connector.prefill import PrefillConnector
+from hybrid_pd.connector.segments import Segment, plan_segments
+from hybrid_pd.kvcache.grouping import plan_groups
+from hybrid_pd.kvcache.specs import (
+    FullAttentionSpec,
+    ModelCacheSpec,
+    SlidingWindowSpec,
+    gdn_state_spec,
+)
+
+
+def model(window: int = 32) -> ModelCacheSpec:
+    layers = {"a0": FullAttentionSpec(2, 8, "float32"), "a1": FullAttentionSpec(2, 8, "float32"),
+              "w0": SlidingWindowSpec(2, 8, "float32", window=window),
+              "s0": gdn_state_spec(num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8,
+                                   conv_kernel=4)}
+    return ModelCacheSpec("Toy", layers)
+
+
+def test_segments_merge_runs_across_groups():
+    segs = plan_segments([[5, 6, 7], [8], [20, 21]], [[1, 2, 3], [4], [9, 11]])
+    assert segs == [Segment(5, 1, 4), Segment(20, 9, 1), Segment(21, 11, 1)]
+    with pytest.raises(ValueError, match="group 1"):
+        plan_segments([[1], [2, 3]], [[1], [2]])
+    with pytest.raises(ValueError, match="groups"):
+        plan_segments([[1]], [[1], [2]])
+
+
+def test_params_round_trip_and_validation():
+    p = KVTransferParams("r1", ((1, 2), (3,)), 10, 42, "prefill-x", "127.0.0.1:1", "f" * 32, "t")
+    assert KVTransferParams.from_dict(p.to_dict()) == p
+    bad = p.to_dict() | {"prompt_len": "10"}
+    with pytest.raises(ValueError, match="prompt_len"):
+        KVTransferParams.from_dict(bad)
+    with pytest.raises(ValueError, match="block_ids"):
+        KVTransferParams.from_dict(p.to_dict() | {"block_ids": [[0, 1]]})
+    with pytest.raises(ValueError, match="JSON object"):
+        KVTransferParams.from_dict([1, 2])
+
+
+def test_layout_difference_names_the_field():
+    a = KVLayout.of(plan_groups(model(), block_size=4), "m")
+    assert a.difference(KVLayout.of(plan_groups(model(), block_size=4), "m")) is None
+    b = KVLayout.of(plan_groups(model(), block_size=8), "m")
+    assert "block_size is 4 here but 8" in a.difference(b)
+    c = KVLayout.of(plan_groups(model(window=16), block_size=4), "m")
+    assert "spec" in a.difference(c)
+    assert "model" in a.difference(KVLayout.of(plan_groups(model(), block_size=4), "other"))
+    assert a.fingerprint != b.fingerprint
+
+
+class _Req:
+    def __init__(self, rid, prompt, out):
+        self.request_id, self.prompt_ids, self.output_ids = rid, prompt, out
+
+
+class _Recorder:
+    """Stands in for UCX here: the subject is lease bookkeeping."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, peer, tag, regions, timeout):
+        self.sent.append((peer, tag, regions))
+
+
+def make_connector(now):
+    freed = []
+    layout = KVLayout.of(plan_groups(model(), block_size=4), "m")
+    conn = PrefillConnector(engine_id="p", layout=layout, control_address="127.0.0.1:9",
+                            free_blocks=freed.append, region=lambda b, n: (b, n),
+                            transport=_Recorder(), lease_s=10.0, clock=lambda: now[0])
+    return conn, freed
+
+
+def test_lease_lifecycle_and_tokens():
+    now = [100.0]
+    conn, freed = make_connector(now)
+    assert isinstance(conn, SupportsHMA)
+    keep, params = conn.request_finished_all_groups(_Req("r", [1] * 9, [7]), ([1, 2, 3], [0, 4]))
+    assert keep and params["block_ids"] == [[1, 2, 3], [4]] and params["first_token"] == 7
+    with pytest.raises(TransferFailed, match="wrong transfer token"):
+        conn.pull("r", "guess", [[5, 6, 7], [8]], b"peer", 0)
+    assert conn.stats["bad_token"] == 1 and not conn.transport.sent
+    res = conn.pull("r", params["transfer_token"], [[5, 6, 7], [8]], b"peer", 64)
+    assert (res.messages, conn.transport.sent[0][2]) == (1, [(1, 4)])
+    assert res.bytes == 4 * conn.layout.page_size_bytes
+    now[0] += 9.0
+    assert conn.heartbeat([("r", params["transfer_token"]), ("x", "y")]) == ["x"]
+    now[0] += 9.0
+    assert conn.expire() == 0  # the heartbeat extended the lease
+    conn.release("r", params["transfer_token"])
+    assert freed == ["r"] and conn.num_leases == 0
+    with pytest.raises(TransferFailed, match="no KV kept"):
+        conn.release("r", params["transfer_token"])
+    assert freed == ["r"]  # freed exactly once
+
+
+def test_lease_expiry_frees_once():
+    now = [0.0]
+    conn, freed = make_connector(now)
+    _, params = conn.request_finished_all_groups(_Req("r", [1] * 4, [3]), ([1],))
+    now[0] = 10.5
+    assert conn.expire() == 1 and freed == ["r"]
+    assert conn.expire() == 0 and freed == ["r"]
+    with pytest.raises(TransferFailed):
+        conn.pull("r", params["transfer_token"], [[2]], b"peer", 0)
