@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import secrets
 import threading
 import time
@@ -24,6 +25,18 @@ from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
+
+#: Fault injection for the failure tests only: "exit_during_pull" makes the process exit
+#: after sending part of a transfer. Never set in production.
+_FAULT = os.environ.get("HYBRID_PD_INJECT_FAULT", "")
+
+
+def _die_mid_transfer(transport, peer: bytes, tag: int, regions: list) -> None:
+    first = regions[0]
+    half = first[: max(1, first.shape[0] // 2)]
+    transport.send(peer, tag, [half], 10.0)
+    logger.error("fault injection: exiting in the middle of a KV transfer")
+    os._exit(17)
 
 
 @dataclass
@@ -132,6 +145,8 @@ class PrefillConnector:
         try:
             segments = plan_segments(lease.block_ids, dst_blocks)
             regions = [self._region(s.src, s.length) for s in segments]
+            if _FAULT == "exit_during_pull":
+                _die_mid_transfer(self.transport, peer, tag, regions)
             self.transport.send(peer, tag, regions, timeout)
         except ValueError as e:
             raise TransferFailed(f"request {request_id}: {e}") from e
@@ -157,6 +172,15 @@ class PrefillConnector:
                 lease.free_after_pull = True
                 return
         self._free(lease)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a kept request by id alone (trusted callers: the proxy's Abort)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+        if lease is None:
+            return False
+        self.release(request_id, lease.token, reason="aborted")
+        return True
 
     def heartbeat(self, pairs: list[tuple[str, str]]) -> list[str]:
         """Extend leases; returns the request ids that are not (or no longer) kept."""

@@ -161,7 +161,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     def Abort(self, request, context):
-        return pb.AbortReply(ok=self.w.loop.abort(request.request_id))
+        """Abort a request wherever it is: queued, running, or kept for a decode worker."""
+        found = self.w.loop.abort(request.request_id)
+        if self.w.prefill is not None:
+            found = self.w.prefill.abort_request(request.request_id) or found
+        return pb.AbortReply(ok=found)
 
     def Stats(self, request, context):
         return pb.StatsReply(json=json.dumps(self.w.stats()))

@@ -1,0 +1,64 @@
+"""Worker processes on 127.0.0.1 for the P/D tests, and reference outputs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from hybrid_pd.engine.engine import Engine, EngineConfig
+from hybrid_pd.engine.loader import load_model
+from hybrid_pd.engine.sampling import SamplingParams
+from hybrid_pd.launcher.local import WorkerProcess, start_worker
+from hybrid_pd.proxy.worker_client import WorkerClient
+
+KV_MEMORY = "8MiB"
+
+
+class Pair:
+    """A prefill worker and a decode worker (real processes) plus their clients."""
+
+    def __init__(self, path: Path, *, prefill_args=(), decode_args=(), env=None, log=None):
+        common = ["--model", str(path), "--kv-memory", KV_MEMORY, "--threads", "1"]
+        self.procs: list[WorkerProcess] = []
+        try:
+            self.procs.append(start_worker("prefill", *common, *prefill_args, env=env, log=log))
+            self.procs.append(start_worker("decode", *common, *decode_args, log=log))
+        except BaseException:
+            self.close()
+            raise
+        self.prefill = WorkerClient(self.procs[0].address, timeout_s=120)
+        self.decode = WorkerClient(self.procs[1].address, timeout_s=120)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.stop()
+
+
+def reference_engine(path: Path) -> Engine:
+    model, config, tok = load_model(path)
+    return Engine(model, config, EngineConfig(kv_memory_bytes=8 * 2**20), tok)
+
+
+def reference_tokens(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    out = engine.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+    return out.token_ids
+
+
+def prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def wait_until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def no_leaks(stats: dict) -> bool:
+    return (stats["free_blocks"] == stats["num_blocks"] - 1 and stats["kv_requests"] == 0
+            and stats.get("leases", 0) == 0 and stats["integrity"] == "ok")
