@@ -110,8 +110,9 @@ class DecodeConnector:
         """Fill `dst_block_ids` (this worker's blocks, per group, null blocks included) with
         the request's KV; then release it on the prefill worker. Raises TransferFailed."""
         t0 = time.perf_counter()
+        peer = self._peer(params.control_address)  # the handshake names a layout mismatch
         if params.fingerprint != self.layout.fingerprint:
-            raise TransferFailed("KV layout fingerprint of the prefill worker differs from ours")
+            raise TransferFailed("KV layout fingerprint in kv_transfer_params differs from ours")
         dst = [[b for b in g if b != NULL_BLOCK_ID] for g in dst_block_ids]
         try:
             segments = plan_segments(params.block_ids, dst)
@@ -119,7 +120,6 @@ class DecodeConnector:
             raise TransferFailed(f"kv_transfer_params do not fit this request: {e}") from e
         if len(segments) >= 1 << 16:
             raise TransferFailed("transfer too fragmented (over 65536 runs)")
-        peer = self._peer(params.control_address)
         tag = self._tag_base | (next(self._counter) % (1 << 24)) << 16
         handle = self.transport.post_recv(
             peer.ucx_address, tag, [self._region(s.dst, s.length) for s in segments]

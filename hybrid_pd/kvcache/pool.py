@@ -119,8 +119,9 @@ class KVPool:
             raise ValueError(f"{layer_name} needs {span} state blocks, got {len(block_ids)}")
         for t, shape in zip(tensors, spec.shapes, strict=True):
             if t.numel() != math.prod(shape):  # would spill into the next tensor or shard
-                raise ValueError(f"{layer_name}: state tensor of shape {shape} expected, "
-                                 f"got {tuple(t.shape)}")
+                raise ValueError(
+                    f"{layer_name}: state tensor of shape {shape} expected, got {tuple(t.shape)}"
+                )
         offsets, _ = state_tensor_offsets(spec)
         flat = torch.zeros(span * raw.shape[1], dtype=torch.uint8, device=raw.device)
         for off, t, dtype in zip(offsets, tensors, spec.dtypes, strict=True):

@@ -42,15 +42,33 @@ class WorkerClient:
         self._channel.close()
 
     def prefill(
-        self, request_id: str, prompt_ids: list[int], sampling: pb.Sampling
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: pb.Sampling,
+        timeout_s: float | None = None,
     ) -> PrefillResult:
         reply = self._stub.Prefill(
             pb.PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling),
-            timeout=self.timeout_s,
+            timeout=timeout_s or self.timeout_s,
             metadata=self._metadata,
         )
-        kv = json.loads(reply.kv_transfer_params_json) if reply.kv_transfer_params_json else None
-        return PrefillResult(reply.first_token, reply.finished, reply.finish_reason, kv)
+        return prefill_result(reply)
+
+    def prefill_future(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: pb.Sampling,
+        timeout_s: float | None = None,
+    ) -> grpc.Future:
+        """Non-blocking Prefill: a grpc.Future of the PrefillReply (`prefill_result` parses
+        it); cancelling the future cancels the RPC, which drops the request on the worker."""
+        return self._stub.Prefill.future(
+            pb.PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling),
+            timeout=timeout_s or self.timeout_s,
+            metadata=self._metadata,
+        )
 
     def generate_stream(
         self,
@@ -59,7 +77,10 @@ class WorkerClient:
         sampling: pb.Sampling,
         kv_transfer_params: dict | None = None,
         failure_policy: str = "",
+        timeout_s: float | None = None,
     ) -> Iterator[pb.GenerateChunk]:
+        """The stream of chunks; it is also a grpc.Call: `.cancel()` ends it (and the request
+        on the worker)."""
         return self._stub.Generate(
             pb.GenerateRequest(
                 request_id=request_id,
@@ -70,7 +91,7 @@ class WorkerClient:
                 else "",
                 failure_policy=failure_policy,
             ),
-            timeout=self.timeout_s,
+            timeout=timeout_s or self.timeout_s,
             metadata=self._metadata,
         )
 
@@ -91,11 +112,20 @@ class WorkerClient:
                 out.error = chunk.error
         return out
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, timeout_s: float | None = None) -> bool:
         return self._stub.Abort(
-            pb.AbortRequest(request_id=request_id), timeout=self.timeout_s, metadata=self._metadata
+            pb.AbortRequest(request_id=request_id),
+            timeout=timeout_s or self.timeout_s,
+            metadata=self._metadata,
         ).ok
 
-    def stats(self) -> dict:
-        reply = self._stub.Stats(pb.StatsRequest(), timeout=self.timeout_s, metadata=self._metadata)
+    def stats(self, timeout_s: float | None = None) -> dict:
+        reply = self._stub.Stats(
+            pb.StatsRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
+        )
         return json.loads(reply.json)
+
+
+def prefill_result(reply: pb.PrefillReply) -> PrefillResult:
+    kv = json.loads(reply.kv_transfer_params_json) if reply.kv_transfer_params_json else None
+    return PrefillResult(reply.first_token, reply.finished, reply.finish_reason, kv)

@@ -1,0 +1,226 @@
+"""The OpenAI-compatible HTTP front door: `build_app(config, pool)` -> FastAPI app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hybrid_pd.engine.tokenizer import Tokenizer
+from hybrid_pd.proxy.config import ProxyConfig, model_info
+from hybrid_pd.proxy.detok import TextStream
+from hybrid_pd.proxy.dispatch import Dispatcher, Job, TokenEvent
+from hybrid_pd.proxy.errors import ProxyError, bad_request
+from hybrid_pd.proxy.metrics import ProxyMetrics, RequestCounter
+from hybrid_pd.proxy.protocol import GenerationRequest, ModelContext, parse_chat, parse_completion
+from hybrid_pd.proxy.responses import ResponseBuilder, finish_reason, new_id, sse
+from hybrid_pd.proxy.routing import WorkerPool
+
+logger = logging.getLogger(__name__)
+CLIENT_CLOSED = 499  # nginx's "client closed request": the response goes nowhere
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
+    path = config.resolved_model_path()
+    tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
+    info = model_info(path, config.max_model_len)
+    ctx = ModelContext(
+        config.model_name,
+        tokenizer,
+        info.max_model_len,
+        info.vocab_size,
+        config.default_chat_max_tokens,
+    )
+    metrics = ProxyMetrics()
+    dispatcher = Dispatcher(config, pool, metrics)
+    created = int(time.time())
+
+    app = FastAPI(title="hybrid-pd proxy", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.config, app.state.pool, app.state.metrics = config, pool, metrics
+    app.state.model = ctx
+    app.add_middleware(RequestCounter, metrics=metrics)
+
+    @app.exception_handler(ProxyError)
+    async def proxy_error(request: Request, e: ProxyError) -> JSONResponse:
+        if e.kind:
+            metrics.failure(e.kind)
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        err = ProxyError(e.status_code, str(e.detail), type="invalid_request_error")
+        return JSONResponse(err.body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        metrics.failure("internal")
+        err = ProxyError(500, f"internal error: {type(e).__name__}: {e}")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": ctx.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "hybrid-pd",
+            "root": str(path),
+            "max_model_len": ctx.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        workers = await asyncio.to_thread(pool.check_health)
+        ok = any(w["healthy"] and "decode" in w["roles"] for w in workers)
+        body = {"status": "ok" if ok else "unavailable", "workers": workers}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        await asyncio.to_thread(pool.refresh)
+        return Response(metrics.render(pool.snapshot()), media_type=metrics.content_type)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, parse_completion(await _json(request), ctx))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _generate(request, parse_chat(await _json(request), ctx))
+
+    async def _generate(request: Request, req: GenerationRequest) -> Response:
+        rid = new_id(req.kind)
+        builder = ResponseBuilder(req, ctx.name, rid)
+        job = dispatcher.start(rid, req.prompt_ids, req.params, time.monotonic())
+        metrics.tokens.labels("prompt").inc(len(req.prompt_ids))
+        text = TextStream(tokenizer, req.params.stop)
+        events = job.events()
+        try:
+            if req.stream:
+                # Errors before the first token still get a proper status code.
+                first = await _until_disconnect(request, anext(events, None))
+                return StreamingResponse(
+                    _stream(job, first, events, text, builder),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"},
+                )
+            body = await _until_disconnect(request, _whole(events, text, builder))
+            job.close()
+            return JSONResponse(body)
+        except _ClientGone:
+            job.close()
+            metrics.failure("client_disconnect")
+            return Response(status_code=CLIENT_CLOSED)
+        except BaseException:
+            job.close()
+            raise
+
+    async def _whole(events, text: TextStream, builder: ResponseBuilder) -> dict:
+        parts: list[str] = []
+        ids: list[int] = []
+        reason = "stop"
+        async for delta, new, end in _pieces(None, events, text):
+            parts.append(delta)
+            ids += new
+            reason = end or reason
+        metrics.tokens.labels("completion").inc(len(ids))
+        return builder.whole("".join(parts), ids, reason)
+
+    async def _stream(
+        job: Job, first, events, text: TextStream, builder: ResponseBuilder
+    ) -> AsyncIterator[str]:
+        produced = 0
+        try:
+            head = builder.first_chunk()
+            if head is not None:
+                yield sse(head)
+            async for delta, new, reason in _pieces(first, events, text):
+                produced += len(new)
+                if delta or reason or (builder.req.return_token_ids and new):
+                    yield sse(builder.chunk(delta, new, reason))
+            if builder.req.include_usage:
+                yield sse(builder.usage_chunk(produced))
+        except ProxyError as e:
+            if e.kind:
+                metrics.failure(e.kind)
+            yield sse(e.body())
+        except (asyncio.CancelledError, GeneratorExit):
+            metrics.failure("client_disconnect")
+            raise
+        except Exception as e:
+            logger.exception("stream %s failed", builder.id)
+            metrics.failure("internal")
+            yield sse(ProxyError(500, f"internal error: {type(e).__name__}: {e}").body())
+        finally:
+            job.close()
+            metrics.tokens.labels("completion").inc(produced)
+        yield sse("[DONE]")
+
+    return app
+
+
+async def _pieces(first: TokenEvent | None, events, text: TextStream):
+    """(text delta, new token ids, finish reason or None) until the request ends: at the
+    worker's end, or at a stop string (the proxy stops reading; Job.close aborts the rest)."""
+
+    async def all_events():
+        if first is not None:
+            yield first
+        async for ev in events:
+            yield ev
+
+    async for ev in all_events():
+        delta = text.push(ev.token_ids)
+        if text.stopped:
+            yield delta, ev.token_ids, "stop"
+            return
+        if ev.finished:
+            yield delta + text.flush(), ev.token_ids, finish_reason(ev.finish_reason)
+            return
+        yield delta, ev.token_ids, None
+    raise ProxyError(500, "the request ended without an answer", kind="decode_error")
+
+
+async def _json(request: Request):
+    raw = await request.body()
+    if not raw:
+        raise bad_request("the request body is empty: expected a JSON object")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from e
+
+
+async def _until_disconnect(request: Request, awaitable):
+    """Await `awaitable`, unless the client goes away first (then cancel it: _ClientGone)."""
+    task = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise _ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,123 @@
+"""ProxyConfig: everything the OpenAI-compatible front door needs, validated once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# The engine's rule (Engine.__init__): the model's maximum, 4096 when unknown, capped at 32768.
+DEFAULT_MAX_MODEL_LEN = 4096
+MAX_MODEL_LEN_CAP = 32768
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: The name clients pass as `model`.
+    model_name: str = "tiny"
+    #: Checkpoint folder (tokenizer + config.json); None: `resolve_model(model_name)`.
+    model_path: str | None = None
+    prefill_addresses: tuple[str, ...] = ()
+    decode_addresses: tuple[str, ...] = ()
+    secret: str | None = None
+    #: Prompts shorter than this skip the prefill pool and run wholly on a decode worker.
+    min_prefill_tokens: int = 32
+    #: None: from config.json (max_position_embeddings), capped like the engine.
+    max_model_len: int | None = None
+    #: Chat requests without max_tokens get at most this many tokens.
+    default_chat_max_tokens: int = 256
+    #: Prefill RPC deadline.
+    prefill_timeout_s: float = 120.0
+    #: Deadline of a whole decode stream.
+    request_timeout_s: float = 600.0
+    #: Longest silence tolerated between two chunks of a decode stream.
+    stream_idle_timeout_s: float = 60.0
+    #: Deadline of Stats and Abort calls.
+    control_timeout_s: float = 2.0
+    #: Worker stats are refreshed at most this often when picking a decode worker.
+    stats_interval_ms: int = 500
+    #: Decode's reaction to a failed KV pull ("recompute" or "fail"); "" = the worker's own.
+    failure_policy: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_addresses", "decode_addresses"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            value = tuple(value)
+            for addr in value:
+                _check_address(name, addr)
+            object.__setattr__(self, name, value)
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError("host must be a non-empty string")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
+        if not isinstance(self.model_name, str) or not self.model_name.strip():
+            raise ValueError("model_name must be a non-empty string")
+        if self.model_path is not None:
+            object.__setattr__(self, "model_path", str(self.model_path))
+        if not isinstance(self.min_prefill_tokens, int) or self.min_prefill_tokens < 0:
+            raise ValueError(f"min_prefill_tokens must be >= 0, got {self.min_prefill_tokens!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not isinstance(self.default_chat_max_tokens, int) or self.default_chat_max_tokens < 1:
+            raise ValueError("default_chat_max_tokens must be an integer >= 1")
+        for name in (
+            "prefill_timeout_s",
+            "request_timeout_s",
+            "stream_idle_timeout_s",
+            "control_timeout_s",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(self.stats_interval_ms, int) or self.stats_interval_ms < 0:
+            raise ValueError(f"stats_interval_ms must be >= 0, got {self.stats_interval_ms!r}")
+        if self.failure_policy not in ("", "recompute", "fail"):
+            raise ValueError("failure_policy must be '', 'recompute' or 'fail'")
+
+    def resolved_model_path(self) -> Path:
+        from hybrid_pd.engine.tiny import resolve_model
+
+        return resolve_model(self.model_path or self.model_name)
+
+
+def _check_address(field: str, addr: object) -> None:
+    if not isinstance(addr, str) or ":" not in addr:
+        raise ValueError(f"{field}: expected 'host:port', got {addr!r}")
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{field}: expected 'host:port', got {addr!r}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the proxy knows of the served checkpoint without loading it."""
+
+    max_model_len: int
+    vocab_size: int | None
+
+
+def model_info(path: Path, max_model_len: int | None = None) -> ModelInfo:
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    text = cfg.get("text_config") or {}
+
+    def field(key: str):
+        value = text.get(key)
+        return cfg.get(key) if value is None else value
+
+    if max_model_len is None:
+        limit = field("max_position_embeddings")
+        try:  # the engine's own reading (per-architecture defaults included)
+            from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
+
+            limit = cache_spec_from_config(cfg).max_model_len or limit
+        except Exception:  # an architecture the engine does not know: config.json alone
+            pass
+        max_model_len = min(int(limit) if limit else DEFAULT_MAX_MODEL_LEN, MAX_MODEL_LEN_CAP)
+    vocab = field("vocab_size")
+    return ModelInfo(max_model_len, int(vocab) if vocab else None)

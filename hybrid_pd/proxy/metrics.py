@@ -1,0 +1,131 @@
+"""Prometheus metrics of one proxy app (its own registry), and the request-counting middleware."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/health",
+    "/metrics",
+)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_WORKER_GAUGES = {
+    "num_blocks": "KV blocks of the worker's pool",
+    "free_blocks": "free KV blocks of the worker's pool (last Stats)",
+    "running": "requests running on the worker (last Stats)",
+    "waiting": "requests waiting on the worker (last Stats)",
+    "outstanding_prefill_tokens": "prompt tokens of the proxy's prefills in flight there",
+    "outstanding_decodes": "decode streams the proxy has open there",
+}
+
+
+class ProxyMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "hybrid_pd_proxy_"
+        self.requests = Counter(
+            p + "requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "request arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds",
+            "time between successive output tokens",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            p + "request_latency_seconds",
+            "request arrival to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(p + "tokens", "tokens by kind", ["kind"], registry=r)
+        self.routes = Counter(
+            p + "routes",
+            "requests by path taken (disaggregated, decode_only, fallback)",
+            ["route"],
+            registry=r,
+        )
+        self.kv_bytes = Counter(
+            p + "kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r
+        )
+        self.kv_seconds = Histogram(
+            p + "kv_transfer_seconds",
+            "time decode spent pulling a request's KV",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfers = Counter(
+            p + "kv_transfers",
+            "KV hand-overs by result (pulled, recomputed)",
+            ["result"],
+            registry=r,
+        )
+        self.failures = Counter(p + "failures", "failures by kind", ["kind"], registry=r)
+        self.worker_up = Gauge(
+            p + "worker_up",
+            "1 when the worker's last contact succeeded",
+            ["worker", "roles"],
+            registry=r,
+        )
+        self.worker = {
+            name: Gauge(p + "worker_" + name, doc, ["worker", "roles"], registry=r)
+            for name, doc in _WORKER_GAUGES.items()
+        }
+
+    def failure(self, kind: str) -> None:
+        self.failures.labels(kind).inc()
+
+    def transfer(self, nbytes: int, seconds: float, recomputed: bool) -> None:
+        if recomputed:
+            self.kv_transfers.labels("recomputed").inc()
+            return
+        self.kv_transfers.labels("pulled").inc()
+        self.kv_bytes.inc(nbytes)
+        self.kv_seconds.observe(seconds)
+
+    def render(self, snapshot: list[dict]) -> bytes:
+        for w in snapshot:
+            labels = (w["address"], ",".join(w["roles"]))
+            self.worker_up.labels(*labels).set(1 if w["healthy"] else 0)
+            for name, gauge in self.worker.items():
+                if w.get(name) is not None:
+                    gauge.labels(*labels).set(w[name])
+        return generate_latest(self.registry)
+
+
+class RequestCounter:
+    """Pure ASGI middleware (streams pass through untouched): counts responses by
+    endpoint and status once the status line is sent."""
+
+    def __init__(self, app, metrics: ProxyMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        return await self.app(scope, receive, counting_send)

@@ -1,0 +1,250 @@
+"""Parse and validate OpenAI request bodies into token ids + SamplingParams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_pd.engine.sampling import SamplingParams
+from hybrid_pd.proxy.errors import ProxyError, bad_request
+
+#: Sampling fields a SamplingParams error message starts with (to name the bad `param`).
+_PARAM_NAMES = ("max_tokens", "temperature", "top_k", "top_p", "stop")
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    name: str
+    tokenizer: Any  # hybrid_pd.engine.tokenizer.Tokenizer or None
+    max_model_len: int
+    vocab_size: int | None
+    default_chat_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    kind: str  # "completion" or "chat"
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    return_token_ids: bool
+
+
+def check_model(body: dict, ctx: ModelContext) -> None:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("you must provide a model parameter", param="model")
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string", param="model")
+    if model != ctx.name:
+        raise ProxyError(
+            404,
+            f"The model `{model}` does not exist. This server serves `{ctx.name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def parse_completion(body: Any, ctx: ModelContext) -> GenerationRequest:
+    body = _object(body)
+    check_model(body, ctx)
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad_request("you must provide a prompt", param="prompt")
+    if body.get("echo"):
+        raise bad_request("echo is not supported", param="echo")
+    if body.get("suffix"):
+        raise bad_request("suffix is not supported", param="suffix")
+    if body.get("best_of") not in (None, 1):
+        raise bad_request("best_of must be 1 (only one completion per request)", param="best_of")
+    prompt_ids = _prompt_ids(body["prompt"], ctx)
+    max_tokens = _opt_int(body, "max_tokens")
+    return _request("completion", body, ctx, prompt_ids, 16 if max_tokens is None else max_tokens)
+
+
+def parse_chat(body: Any, ctx: ModelContext) -> GenerationRequest:
+    body = _object(body)
+    check_model(body, ctx)
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("you must provide messages", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", param="messages")
+    if ctx.tokenizer is None:
+        raise bad_request("this model has no tokenizer: use /v1/completions with token ids")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] needs a string 'role'", param="messages")
+        rendered.append({**m, "content": _content(m.get("content"), i)})
+    try:
+        text = ctx.tokenizer.apply_chat_template(rendered)
+    except Exception as e:  # jinja errors, raise_exception() in the template
+        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from e
+    prompt_ids = _check_ids(ctx.tokenizer.encode(text), ctx, "messages")
+    max_tokens = _opt_int(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens")
+    if max_tokens is None:
+        room = ctx.max_model_len - len(prompt_ids)
+        max_tokens = max(1, min(ctx.default_chat_max_tokens, room))
+    return _request("chat", body, ctx, prompt_ids, max_tokens)
+
+
+def _request(
+    kind: str, body: dict, ctx: ModelContext, prompt_ids: list[int], max_tokens: int
+) -> GenerationRequest:
+    if body.get("n") not in (None, 1):
+        raise bad_request("n must be 1 (only one choice per request)", param="n")
+    if body.get("logprobs") not in (None, False):
+        raise bad_request("logprobs are not supported", param="logprobs")
+    if body.get("top_logprobs") is not None:
+        raise bad_request("top_logprobs are not supported", param="top_logprobs")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _opt_float(body, name) not in (None, 0.0):
+            raise bad_request(f"{name} is not supported (only 0)", param=name)
+    stream = _opt_bool(body, "stream") or False
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object", param="stream_options")
+        if not stream:
+            raise bad_request("stream_options needs stream=true", param="stream_options")
+        include_usage = bool(_opt_bool(options, "include_usage"))
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+    else:
+        raise bad_request("'stop' must be a string or a list of strings", param="stop")
+    if stop and ctx.tokenizer is None:
+        raise bad_request("stop strings need a tokenizer", param="stop")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+        raise bad_request("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    temperature = _opt_float(body, "temperature")
+    top_p = _opt_float(body, "top_p")
+    top_k = _opt_int(body, "top_k")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=0 if top_k is None or top_k == -1 else top_k,
+            seed=_opt_int(body, "seed"),
+            stop=stop,
+            stop_token_ids=tuple(stop_ids),
+            ignore_eos=bool(_opt_bool(body, "ignore_eos")),
+        )
+    except ValueError as e:
+        msg = str(e)
+        param = next((p for p in _PARAM_NAMES if msg.startswith(p)), None)
+        if param == "max_tokens" and kind == "chat" and "max_completion_tokens" in body:
+            param = "max_completion_tokens"
+        raise bad_request(msg, param=param) from e
+    total = len(prompt_ids) + params.max_tokens
+    if total > ctx.max_model_len:
+        where = "messages" if kind == "chat" else "prompt"
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens. However, you "
+            f"requested {total} tokens ({len(prompt_ids)} in the {where}, {params.max_tokens} "
+            f"for the completion). Please reduce the length of the {where} or max_tokens.",
+            param=where,
+            code="context_length_exceeded",
+        )
+    return GenerationRequest(
+        kind,
+        prompt_ids,
+        params,
+        stream,
+        include_usage,
+        bool(_opt_bool(body, "return_token_ids")),
+    )
+
+
+# -- field helpers --------------------------------------------------------------------------
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def _prompt_ids(prompt: Any, ctx: ModelContext) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if ctx.tokenizer is None:
+            raise bad_request("this model has no tokenizer: send the prompt as token ids")
+        if not prompt:
+            raise bad_request("the prompt is empty", param="prompt")
+        return _check_ids(ctx.tokenizer.encode(prompt), ctx, "prompt")
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return _check_ids([int(t) for t in prompt], ctx, "prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise bad_request("only one prompt per request is supported", param="prompt")
+    raise bad_request(
+        "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt"
+    )
+
+
+def _check_ids(ids: list[int], ctx: ModelContext, param: str) -> list[int]:
+    if not ids:
+        raise bad_request(f"the {param} is empty", param=param)
+    vocab = ctx.vocab_size
+    if vocab is not None and any(not 0 <= t < vocab for t in ids):
+        raise bad_request(f"prompt token ids must be in [0, {vocab})", param=param)
+    return ids
+
+
+def _content(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad_request(
+                    f"messages[{i}]: only text content parts are supported", param="messages"
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise bad_request(f"messages[{i}].content must be a string or a list", param="messages")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _opt_int(body: dict, name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise bad_request(f"'{name}' must be an integer, got {v!r}", param=name)
+    return v
+
+
+def _opt_float(body: dict, name: str) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise bad_request(f"'{name}' must be a number, got {v!r}", param=name)
+    return float(v)
+
+
+def _opt_bool(body: dict, name: str) -> bool | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise bad_request(f"'{name}' must be a boolean, got {v!r}", param=name)
+    return v

@@ -1,0 +1,296 @@
+"""Where a request runs: the gRPC request pieces, and the pool of workers the proxy picks from.
+
+Prefill workers are picked by the fewest outstanding prefill tokens (counted by the proxy);
+decode workers by health, KV headroom and load (Stats refreshed at most every
+`stats_interval_ms`, plus the proxy's own count of streams it has open on each).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from hybrid_pd.engine.sampling import SamplingParams
+from hybrid_pd.proto import worker_pb2 as pb
+from hybrid_pd.proxy.worker_client import PrefillResult, WorkerClient
+from hybrid_pd.workers.service import sampling_to_pb
+
+#: A worker whose RPC failed is skipped for this long (unless a Stats call shows it is back).
+FAILURE_COOLDOWN_S = 2.0
+#: Below this fraction of free KV blocks a decode worker is picked only when all are as full.
+LOW_BLOCKS_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: pb.Sampling
+
+
+@dataclass(frozen=True)
+class DecodeCall:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: pb.Sampling
+    kv_transfer_params: dict | None = None
+    failure_policy: str = ""
+
+
+def wants_prefill(prompt_len: int, min_prefill_tokens: int, num_prefill_workers: int) -> bool:
+    """Short prompts (and pools without prefill workers) go straight to a decode worker."""
+    return num_prefill_workers > 0 and prompt_len >= min_prefill_tokens
+
+
+def prepare_prefill_request(
+    request_id: str, prompt_ids: list[int], params: SamplingParams, attempt: int = 0
+) -> PrefillCall:
+    """The Prefill leg of a request. Each attempt has its own worker-side id (`-p<attempt>`),
+    so the decode leg (`-d...`) never collides with it, even on a worker of role `both`."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    return PrefillCall(f"{request_id}-p{attempt}", list(prompt_ids), sampling_to_pb(params))
+
+
+def prepare_decode_request(
+    request_id: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    prefill: PrefillResult | None = None,
+    failure_policy: str = "",
+    attempt: int = 0,
+) -> DecodeCall:
+    """The Generate leg: with `prefill` (its KV kept on a prefill worker) decode pulls the
+    KV and continues after the first token; without it the decode worker runs it all."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    kv = None
+    if prefill is not None:
+        if prefill.finished or not prefill.kv_transfer_params:
+            raise ValueError("the prefill already finished the request: nothing to decode")
+        kv = dict(prefill.kv_transfer_params)
+        if kv.get("prompt_len", len(prompt_ids)) != len(prompt_ids):
+            raise ValueError("kv_transfer_params do not describe this prompt")
+    return DecodeCall(
+        f"{request_id}-d{attempt}",
+        list(prompt_ids),
+        sampling_to_pb(params),
+        kv,
+        failure_policy,
+    )
+
+
+@dataclass(eq=False)
+class WorkerState:
+    address: str
+    client: WorkerClient
+    roles: set[str] = field(default_factory=set)
+    outstanding_prefill_tokens: int = 0
+    outstanding_prefills: int = 0
+    outstanding_decodes: int = 0
+    stats: dict | None = None
+    stats_at: float = -1e9  # monotonic time of the last Stats attempt
+    healthy: bool = True
+    failed_at: float = -1e9
+    last_error: str = ""
+    refreshing: bool = False
+
+    def recently_failed(self, now: float) -> bool:
+        return now - self.failed_at < FAILURE_COOLDOWN_S
+
+    def decode_key(self, now: float) -> tuple:
+        """Smaller is better: healthy, not short of KV blocks, least loaded, most free."""
+        s = self.stats or {}
+        free = int(s.get("free_blocks", 0))
+        total = int(s.get("num_blocks", 0)) or 1
+        low = self.stats is not None and free < LOW_BLOCKS_FRACTION * total
+        # Stats lag behind: the proxy's own open streams are the fresher count.
+        load = max(int(s.get("running", 0)) + int(s.get("waiting", 0)), self.outstanding_decodes)
+        unhealthy = not self.healthy or self.recently_failed(now)
+        return (unhealthy, low, load, -free / total, self.address)
+
+
+class WorkerPool:
+    """WorkerClients by role, with the proxy's bookkeeping. Thread-safe; blocking calls
+    (Stats) happen in `refresh`, which callers on an event loop run in a thread."""
+
+    def __init__(
+        self,
+        prefill: Iterable[str | WorkerClient] = (),
+        decode: Iterable[str | WorkerClient] = (),
+        *,
+        secret: str | None = None,
+        timeout_s: float = 600.0,
+        stats_interval_ms: int = 500,
+        control_timeout_s: float = 2.0,
+    ) -> None:
+        self._lock = threading.Lock()
+        self.stats_interval_s = stats_interval_ms / 1000.0
+        self.control_timeout_s = control_timeout_s
+        self.workers: dict[str, WorkerState] = {}
+        self._owned: list[WorkerClient] = []
+        for role, items in (("prefill", prefill), ("decode", decode)):
+            for item in items:
+                address = item if isinstance(item, str) else item.address
+                if address not in self.workers:
+                    if isinstance(item, str):
+                        client = WorkerClient(item, secret=secret, timeout_s=timeout_s)
+                        self._owned.append(client)
+                    else:
+                        client = item
+                    self.workers[address] = WorkerState(address, client)
+                self.workers[address].roles.add(role)
+
+    @classmethod
+    def from_config(cls, config) -> WorkerPool:
+        return cls(
+            config.prefill_addresses,
+            config.decode_addresses,
+            secret=config.secret,
+            timeout_s=config.request_timeout_s,
+            stats_interval_ms=config.stats_interval_ms,
+            control_timeout_s=config.control_timeout_s,
+        )
+
+    def close(self) -> None:
+        for client in self._owned:
+            client.close()
+
+    def with_role(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if role in w.roles]
+
+    # -- picking ----------------------------------------------------------------------------
+    def pick_prefill(self, exclude: Iterable[WorkerState] = ()) -> WorkerState | None:
+        """Blocking (may refresh Stats): fewest outstanding prefill tokens; workers that
+        just failed are skipped."""
+        self.refresh("prefill")
+        now = time.monotonic()
+        skip = set(map(id, exclude))
+        with self._lock:
+            ready = [
+                w
+                for w in self.with_role("prefill")
+                if id(w) not in skip and w.healthy and not w.recently_failed(now)
+            ]
+            if not ready:
+                return None
+            return min(
+                ready,
+                key=lambda w: (w.outstanding_prefill_tokens, w.outstanding_prefills, w.address),
+            )
+
+    def pick_decode(self, exclude: Iterable[WorkerState] = ()) -> WorkerState | None:
+        """Blocking (may refresh Stats): the best healthy decode worker, or None."""
+        self.refresh("decode")
+        now = time.monotonic()
+        skip = set(map(id, exclude))
+        with self._lock:
+            ready = [w for w in self.with_role("decode") if id(w) not in skip]
+            if not ready:
+                return None
+            best = min(ready, key=lambda w: w.decode_key(now))
+            return None if best.decode_key(now)[0] else best
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def begin_prefill(self, w: WorkerState, num_tokens: int) -> None:
+        with self._lock:
+            w.outstanding_prefills += 1
+            w.outstanding_prefill_tokens += num_tokens
+
+    def end_prefill(self, w: WorkerState, num_tokens: int) -> None:
+        with self._lock:
+            w.outstanding_prefills -= 1
+            w.outstanding_prefill_tokens -= num_tokens
+
+    def begin_decode(self, w: WorkerState) -> None:
+        with self._lock:
+            w.outstanding_decodes += 1
+
+    def end_decode(self, w: WorkerState) -> None:
+        with self._lock:
+            w.outstanding_decodes -= 1
+
+    def mark_failed(self, w: WorkerState, error: str) -> None:
+        with self._lock:
+            w.healthy = False
+            w.failed_at = time.monotonic()
+            w.last_error = error
+
+    def mark_ok(self, w: WorkerState) -> None:
+        with self._lock:
+            w.healthy = True
+            w.failed_at = -1e9
+            w.last_error = ""
+
+    # -- stats ------------------------------------------------------------------------------
+    def refresh(self, role: str | None = None, force: bool = False) -> None:
+        """Blocking: Stats of workers (of `role`, or all) older than the interval."""
+        now = time.monotonic()
+        todo = []
+        with self._lock:
+            for w in self.workers.values():
+                if role is not None and role not in w.roles:
+                    continue
+                if w.refreshing or (not force and now - w.stats_at < self.stats_interval_s):
+                    continue
+                w.refreshing = True
+                w.stats_at = now
+                todo.append(w)
+        for w in todo:
+            try:
+                stats = w.client.stats(timeout_s=self.control_timeout_s)
+            except Exception as e:  # grpc.RpcError, or a worker that answers garbage
+                with self._lock:
+                    w.refreshing = False
+                    w.healthy = False
+                    w.failed_at = time.monotonic()
+                    w.last_error = _describe(e)
+                continue
+            with self._lock:
+                w.refreshing = False
+                w.stats = stats
+                w.healthy = True
+                w.failed_at = -1e9
+                w.last_error = ""
+
+    def check_health(self) -> list[dict]:
+        """Blocking: ask every worker now; one entry per worker."""
+        self.refresh(force=True)
+        return self.snapshot()
+
+    def decode_available(self) -> bool:
+        with self._lock:
+            return any(w.healthy for w in self.with_role("decode"))
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            out = []
+            for w in self.workers.values():
+                s = w.stats or {}
+                out.append(
+                    {
+                        "address": w.address,
+                        "roles": sorted(w.roles),
+                        "healthy": w.healthy,
+                        "engine_id": s.get("engine_id"),
+                        "num_blocks": s.get("num_blocks"),
+                        "free_blocks": s.get("free_blocks"),
+                        "running": s.get("running"),
+                        "waiting": s.get("waiting"),
+                        "outstanding_prefill_tokens": w.outstanding_prefill_tokens,
+                        "outstanding_prefills": w.outstanding_prefills,
+                        "outstanding_decodes": w.outstanding_decodes,
+                        "last_error": w.last_error,
+                    }
+                )
+            return out
+
+
+def _describe(e: BaseException) -> str:
+    details = getattr(e, "details", None)
+    code = getattr(e, "code", None)
+    if callable(details) and callable(code):
+        return f"{code().name}: {details()}"
+    return f"{type(e).__name__}: {e}"

@@ -1,0 +1,99 @@
+"""Serve the proxy with uvicorn: `run_proxy` (blocking, for the launcher) and `ProxyHandle`
+(a background thread, for tests and embedding; port 0 picks a free port)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+
+from hybrid_pd.proxy.app import build_app
+from hybrid_pd.proxy.config import ProxyConfig
+from hybrid_pd.proxy.routing import WorkerPool
+
+
+def _uvicorn_config(config: ProxyConfig, pool: WorkerPool, port: int) -> uvicorn.Config:
+    return uvicorn.Config(
+        build_app(config, pool),
+        host=config.host,
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        timeout_graceful_shutdown=5,
+    )
+
+
+def run_proxy(config: ProxyConfig, pool: WorkerPool | None = None) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM). Builds the pool from the config if none."""
+    own = pool is None
+    pool = pool or WorkerPool.from_config(config)
+    try:
+        uvicorn.Server(_uvicorn_config(config, pool, config.port)).run()
+    finally:
+        if own:
+            pool.close()
+
+
+class ProxyHandle:
+    """`with ProxyHandle(config, pool, port=0) as proxy: ... proxy.base_url ...`"""
+
+    def __init__(
+        self, config: ProxyConfig, pool: WorkerPool | None = None, port: int | None = None
+    ) -> None:
+        self.config = config
+        self._own_pool = pool is None
+        self.pool = pool or WorkerPool.from_config(config)
+        self._server = uvicorn.Server(
+            _uvicorn_config(config, self.pool, config.port if port is None else port)
+        )
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.port: int | None = None
+
+    @property
+    def app(self):
+        return self._server.config.app
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def start(self, timeout: float = 30.0) -> ProxyHandle:
+        def serve() -> None:
+            try:
+                self._server.run()
+            except BaseException as e:  # reported by start()
+                self._error = e
+
+        self._thread = threading.Thread(target=serve, name="proxy-uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the proxy did not start: {self._error or 'timed out'}")
+            time.sleep(0.01)
+        sock = self._server.servers[0].sockets[0]
+        self.port = sock.getsockname()[1]
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                self._server.force_exit = True
+                self._thread.join(timeout)
+        if self._own_pool:
+            self.pool.close()
+
+    def __enter__(self) -> ProxyHandle:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,151 @@
+"""Failures around a KV hand-over: each ends in the documented behaviour, no block leaked.
+
+Decode's policy on a failed pull: `recompute` (run the prompt locally; output unchanged) or
+`fail` (a clear error). Prefill frees kept blocks on release, abort or lease expiry.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from hybrid_pd.engine.sampling import SamplingParams
+from hybrid_pd.launcher.local import start_worker
+from hybrid_pd.proxy.worker_client import WorkerClient
+from hybrid_pd.workers.service import sampling_to_pb
+from tests.checkpoints import qwen3_5
+from tests.connector.pd_fixtures import (
+    KV_MEMORY,
+    no_leaks,
+    prompt,
+    reference_engine,
+    reference_tokens,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+N_NEW = 8
+LEASE_S = "2.0"
+SAMPLING = sampling_to_pb(SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    path = qwen3_5(tmp_path_factory.mktemp("ckpt"))
+    common = ["--model", str(path), "--kv-memory", KV_MEMORY, "--threads", "1"]
+    procs = {}
+    try:
+        procs["prefill"] = start_worker("prefill", *common, "--lease-s", LEASE_S)
+        procs["decode"] = start_worker("decode", *common, "--transfer-timeout-s", "10")
+        procs["decode_other_layout"] = start_worker("decode", *common, "--block-size", "16")
+        clients = {k: WorkerClient(p.address, timeout_s=60) for k, p in procs.items()}
+        yield path, common, procs, clients, reference_engine(path)
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def _expected(ref, p):
+    return reference_tokens(ref, p, N_NEW)
+
+
+def _leak_free(*clients):
+    for c in clients:
+        wait_until(lambda c=c: no_leaks(c.stats()), 15, f"{c.address} to free every block")
+
+
+def test_wrong_transfer_token(env):
+    _, _, _, c, ref = env
+    p = prompt(40, seed=11)
+    first = c["prefill"].prefill("tok-1", p, SAMPLING)
+    spoofed = first.kv_transfer_params | {"transfer_token": "not-the-token"}
+    with pytest.raises(grpc.RpcError, match="wrong transfer token") as e:
+        c["decode"].generate("tok-1", p, SAMPLING, spoofed, failure_policy="fail")
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    out = c["decode"].generate("tok-1b", p, SAMPLING, spoofed, failure_policy="recompute")
+    assert out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
+    assert c["prefill"].stats()["prefill_connector"]["bad_token"] >= 2
+    _leak_free(c["prefill"], c["decode"])  # the real lease expires after 2 s
+
+
+def test_abort_frees_kept_blocks(env):
+    _, _, _, c, ref = env
+    p = prompt(30, seed=12)
+    first = c["prefill"].prefill("ab-1", p, SAMPLING)
+    assert c["prefill"].stats()["leases"] == 1
+    assert c["prefill"].abort("ab-1")
+    assert no_leaks(c["prefill"].stats())
+    out = c["decode"].generate("ab-1", p, SAMPLING, first.kv_transfer_params)
+    assert out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
+    _leak_free(c["decode"])
+
+
+def test_lease_expiry(env):
+    _, _, _, c, _ = env
+    p = prompt(25, seed=13)
+    first = c["prefill"].prefill("exp-1", p, SAMPLING)
+    _leak_free(c["prefill"])  # nobody pulled: the lease ran out and the blocks came back
+    assert c["prefill"].stats()["prefill_connector"]["expired"] >= 1
+    with pytest.raises(grpc.RpcError, match="no KV kept"):
+        c["decode"].generate("exp-1", p, SAMPLING, first.kv_transfer_params,
+                             failure_policy="fail")
+    _leak_free(c["decode"])
+
+
+def test_layout_mismatch_is_refused_by_name(env):
+    _, _, _, c, ref = env
+    p = prompt(33, seed=14)
+    first = c["prefill"].prefill("lay-1", p, SAMPLING)
+    with pytest.raises(grpc.RpcError, match="block_size") as e:
+        c["decode_other_layout"].generate("lay-1", p, SAMPLING, first.kv_transfer_params,
+                                          failure_policy="fail")
+    assert "layout" in e.value.details().lower()
+    out = c["decode_other_layout"].generate("lay-2", p, SAMPLING, first.kv_transfer_params)
+    assert out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
+    c["prefill"].abort("lay-1")
+    _leak_free(c["prefill"], c["decode_other_layout"])
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_prefill_killed(env, when):
+    _, common, _, c, ref = env
+    fault = {"HYBRID_PD_INJECT_FAULT": "exit_during_pull"} if when == "during" else {}
+    doomed = start_worker("prefill", *common, env=fault)
+    try:
+        client = WorkerClient(doomed.address, timeout_s=60)
+        p = prompt(70, seed=15)
+        first = client.prefill(f"kill-{when}", p, SAMPLING)
+        if when == "before":
+            doomed.kill()
+        with pytest.raises(grpc.RpcError) as e:
+            c["decode"].generate(f"kill-{when}", p, SAMPLING, first.kv_transfer_params,
+                                 failure_policy="fail")
+        assert "prefill worker" in e.value.details()
+        if when == "during":
+            assert doomed.proc.wait(10) == 17  # it really died in the middle of the pull
+        out = c["decode"].generate(f"kill-{when}-2", p, SAMPLING, first.kv_transfer_params)
+        assert out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
+    finally:
+        doomed.stop()
+    _leak_free(c["decode"])
+
+
+def test_shared_secret_guards_every_rpc(env):
+    _, common, _, _, ref = env
+    procs = []
+    try:
+        procs.append(start_worker("prefill", *common, "--secret", "s3cret"))
+        procs.append(start_worker("decode", *common, "--secret", "s3cret"))
+        p = prompt(20, seed=16)
+        with pytest.raises(grpc.RpcError) as e:
+            WorkerClient(procs[0].address).prefill("sec-0", p, SAMPLING)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        prefill, decode = (WorkerClient(w.address, secret="s3cret") for w in procs)
+        first = prefill.prefill("sec-1", p, SAMPLING)
+        out = decode.generate("sec-1", p, SAMPLING, first.kv_transfer_params)
+        assert not out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
+        _leak_free(prefill, decode)
+    finally:
+        for w in procs:
+            w.stop()
