@@ -30,6 +30,13 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--no-transformers", action="store_true", help="skip the reference")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_bench_engine)
+    t = bsub.add_parser("transfer", help="KV hand-over bandwidth next to raw ucxx")
+    t.add_argument("--model", default="qwen3.5-27b", help="reference config for the layout")
+    t.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
+    t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--ucx-tls", default=None, help="UCX_TLS for both sides (e.g. tcp)")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=_cmd_bench_transfer)
 
 
 def bench_kvcache(
@@ -269,4 +276,25 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     else:
         for r in result["runs"]:
             print(", ".join(f"{k}={v}" for k, v in r.items()))
+    return 0
+
+
+def _cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from hybrid_pd.connector.transfer_bench import bench_transfer
+
+    lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
+    result = bench_transfer(args.model, lengths, args.repeats, args.ucx_tls)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(
+            f"{result['model']}: block {result['block_size']}, page "
+            f"{result['page_size_bytes']} B, {result['num_groups']} groups"
+        )
+        for r in result["runs"]:
+            print(
+                f"{r['tokens']:>6} tokens {r['bytes'] / 2**20:9.1f} MiB "
+                f"{r['messages']:>3} msgs  KV {r['kv_gb_per_s']:6.2f} GB/s  raw "
+                f"{r['raw_gb_per_s']:6.2f} GB/s  ratio {r['ratio']:.2f}"
+            )
     return 0

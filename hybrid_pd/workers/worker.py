@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ class Worker:
         self.model_name = config.model
         probe = Engine(model, hf_config, config.engine, tokenizer)  # sizes the pool
         self.layout = KVLayout.of(probe.kv_config, _model_identity(hf_config, model))
-        self.transport = UcxTransport()
+        self.transport = UcxTransport(ucx_options=ucx_options_for(config.host))
         self.transport.start()
         self.server, self.port = make_server(f"{config.host}:{config.port}", config.secret)
         self.address = f"{config.host}:{self.port}"
@@ -140,6 +141,14 @@ class Worker:
         if self.decode is not None:
             self.decode.close()
         self.transport.close()
+
+
+def ucx_options_for(host: str) -> dict[str, str]:
+    """A worker serving on loopback keeps UCX on loopback too (shared memory still carries
+    same-host transfers); otherwise UCX's own choice, or UCX_NET_DEVICES when set."""
+    if os.environ.get("UCX_NET_DEVICES") or host not in ("127.0.0.1", "localhost", "::1"):
+        return {}
+    return {"NET_DEVICES": "lo"}
 
 
 def _model_identity(hf_config: dict, model) -> str:

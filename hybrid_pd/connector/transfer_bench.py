@@ -1,0 +1,200 @@
+"""`hybrid-pd bench transfer`: KV hand-over bandwidth on a real-size layout.
+
+A child process plays the prefill worker (pool, leases, KVControl gRPC server, UCX); this
+process plays the decode worker (pool, DecodeConnector). For each request length the child
+keeps a synthetic request's blocks exactly as the engine would (prefill allocation, then
+out-of-window release) and this side pulls them through the real control and data planes.
+Next to each figure: raw ucxx bandwidth of one buffer of the same total size between the
+same two processes, and their ratio. No model weights are needed: only the layout is real.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+from typing import Any
+
+import torch
+
+from hybrid_pd.connector.control import KVControlServicer, make_server
+from hybrid_pd.connector.decode import DecodeConnector
+from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.params import KVTransferParams
+from hybrid_pd.connector.prefill import PrefillConnector
+from hybrid_pd.connector.ucx_transport import UcxTransport, raw_bandwidth
+from hybrid_pd.kvcache.config import KVCacheConfig
+from hybrid_pd.kvcache.grouping import HMAOffError, plan_groups
+from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
+from hybrid_pd.kvcache.ids import RequestId
+from hybrid_pd.kvcache.manager import KVCacheManager
+from hybrid_pd.kvcache.reference_configs import reference_config
+from hybrid_pd.proto import kv_control_pb2_grpc
+
+_TIMEOUT = 120.0
+
+
+class _Req:
+    def __init__(self, rid: str, n: int) -> None:
+        self.request_id, self.prompt_ids, self.output_ids = rid, list(range(n)), [1]
+
+
+def _config(model: str, max_len: int) -> tuple[KVCacheConfig, Any]:
+    cfg = reference_config(model)
+    if cfg is None:
+        raise ValueError(f"unknown reference model {model!r}; see `hybrid-pd plan --list`")
+    spec = cache_spec_from_config(cfg)
+    return plan_groups(spec, ref_len=max_len), spec
+
+
+def _blocks_for(config: KVCacheConfig, max_len: int) -> int:
+    return config.blocks_per_request(max_len) + 8
+
+
+def _prefill_child(conn, model: str, max_len: int, ucx: dict) -> None:
+    torch.set_num_threads(1)
+    config, _ = _config(model, max_len)
+    n_blocks = _blocks_for(config, max_len)
+    kv = KVCacheManager(config, n_blocks, enable_caching=False)
+    pool = torch.empty((n_blocks, config.page_size_bytes), dtype=torch.uint8)
+    pool.view(-1)[::4096].fill_(7)  # touch the pages
+    transport = UcxTransport(ucx_options=ucx)
+    transport.start()
+    server, port = make_server("127.0.0.1:0")
+    layout = KVLayout.of(config, model)
+    conn_ = PrefillConnector(
+        engine_id="bench-prefill",
+        layout=layout,
+        control_address=f"127.0.0.1:{port}",
+        free_blocks=lambda rid: kv.free(RequestId(rid)),
+        region=lambda b, k: pool[b : b + k],
+        transport=transport,
+    )
+    kv_control_pb2_grpc.add_KVControlServicer_to_server(
+        KVControlServicer("bench-prefill", layout, transport.address, conn_), server
+    )
+    server.start()
+    conn.send(("ready", transport.address))
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "lease":
+                rid, n = args
+                tokens = list(range(n))
+                kv.allocate_slots(RequestId(rid), tokens, n)
+                kv.commit_computed(RequestId(rid), n)
+                kv.release_out_of_window(RequestId(rid))
+                _, params = conn_.request_finished_all_groups(
+                    _Req(rid, n), kv.block_ids(RequestId(rid))
+                )
+                conn.send(params)
+            elif cmd == "raw":
+                peer, tag, nbytes, repeats = args
+                buf = pool.view(-1)[:nbytes]
+                conn.send(
+                    raw_bandwidth(
+                        transport, peer, tag, buf, repeats=repeats, send=True, timeout=_TIMEOUT
+                    )
+                )
+            elif cmd == "leaks":
+                conn.send(n_blocks - 1 - kv.pool.num_free_blocks)
+            else:
+                break
+    finally:
+        server.stop(0)
+        transport.close()
+
+
+def bench_transfer(
+    model: str = "qwen3.5-27b",
+    lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768),
+    repeats: int = 3,
+    ucx_tls: str | None = None,
+) -> dict[str, Any]:
+    max_len = max(lengths)
+    config, spec = _config(model, max_len)
+    ucx = {"NET_DEVICES": "lo"}
+    if ucx_tls:
+        ucx["TLS"] = ucx_tls
+    n_blocks = _blocks_for(config, max_len)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_child, args=(child, model, max_len, ucx), daemon=True)
+    proc.start()
+    transport = UcxTransport(ucx_options=ucx)
+    transport.start()
+    try:
+        if not parent.poll(_TIMEOUT):
+            raise RuntimeError("prefill side did not start")
+        _, peer = parent.recv()
+        kv = KVCacheManager(config, n_blocks, enable_caching=False)
+        pool = torch.zeros((n_blocks, config.page_size_bytes), dtype=torch.uint8)
+        decode = DecodeConnector(
+            engine_id="bench-decode",
+            layout=KVLayout.of(config, model),
+            transport=transport,
+            region=lambda b, k: pool[b : b + k],
+            timeout_s=_TIMEOUT,
+        )
+        try:
+            off = plan_groups(spec, hma=False, block_size=config.block_size)
+        except HMAOffError:
+            off = None
+        rows = []
+        tag = 1 << 50
+        for n in (min(lengths), *lengths):  # the first run warms up endpoints and pages
+            times, messages = [], 0
+            for r in range(repeats):
+                parent.send(("lease", f"r{n}-{r}", n))
+                params = KVTransferParams.from_dict(parent.recv())
+                rid = RequestId(params.request_id)
+                ids = kv.allocate_external(rid, list(range(n + 1)), n)
+                stats = decode.pull(params, ids)
+                times.append(stats.seconds)
+                messages = stats.messages
+                nbytes = stats.bytes
+                kv.free(rid)
+            raw = []
+            for _ in range(repeats):
+                parent.send(("raw", transport.address, tag, nbytes, 1))
+                buf = pool.view(-1)[:nbytes]
+                raw += raw_bandwidth(
+                    transport, peer, tag, buf, repeats=1, send=False, timeout=_TIMEOUT
+                )
+                parent.recv()
+                tag += 1
+            kv_s, raw_s = statistics.median(times), statistics.median(raw)
+            rows.append(
+                {
+                    "tokens": n,
+                    "bytes": nbytes,
+                    "bytes_min": config.bytes_per_request(n),
+                    "bytes_hma_off": off.bytes_per_request(n) if off else None,
+                    "messages": messages,
+                    "kv_seconds": round(kv_s, 5),
+                    "kv_gb_per_s": round(nbytes / kv_s / 1e9, 3),
+                    "raw_gb_per_s": round(nbytes / raw_s / 1e9, 3),
+                    "ratio": round(raw_s / kv_s, 3),
+                }
+            )
+        parent.send(("leaks",))
+        prefill_leaks = parent.recv()
+        decode.close()
+        return {
+            "model": model,
+            "block_size": config.block_size,
+            "page_size_bytes": config.page_size_bytes,
+            "num_groups": len(config.groups),
+            "ucx": ucx,
+            "hma_off_error": None if off else "state layers: the model cannot run with HMA off",
+            "runs": rows[1:],
+            "leaked_blocks": {
+                "prefill": prefill_leaks,
+                "decode": n_blocks - 1 - kv.pool.num_free_blocks,
+            },
+        }
+    finally:
+        parent.send(("stop",))
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        transport.close()
