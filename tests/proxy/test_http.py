@@ -1,0 +1,145 @@
+"""Error responses, /health, /v1/models and /metrics over plain HTTP."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.proxy.conftest import free_address, make_proxy
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        ({"prompt": "hi"}, "model", "model"),
+        ({"model": "tiny"}, "prompt", "prompt"),
+        ({"model": "tiny", "prompt": ""}, "prompt", "empty"),
+        ({"model": "tiny", "prompt": "hi", "n": 2}, "n", "n must be 1"),
+        ({"model": "tiny", "prompt": "hi", "echo": True}, "echo", "echo"),
+        ({"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature", "temperature"),
+        ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, "temperature", "number"),
+        ({"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p", "top_p"),
+        ({"model": "tiny", "prompt": "hi", "top_k": -3}, "top_k", "top_k"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": 2.5}, "max_tokens", "integer"),
+        ({"model": "tiny", "prompt": "hi", "stop": [""]}, "stop", "stop"),
+        ({"model": "tiny", "prompt": "hi", "stop": 3}, "stop", "stop"),
+        ({"model": "tiny", "prompt": "hi", "logprobs": 2}, "logprobs", "logprobs"),
+        ({"model": "tiny", "prompt": ["a", "b"]}, "prompt", "one prompt"),
+        ({"model": "tiny", "prompt": [1, 100000]}, "prompt", "token ids"),
+        ({"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream", "boolean"),
+    ],
+)
+def test_bad_completion_requests(http, body, param, words):
+    err = error_of(http.post("/v1/completions", json=body), 400)
+    assert err["param"] == param
+    assert words in err["message"]
+    assert err["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_non_object(http):
+    err = error_of(http.post("/v1/completions", content=b"{not json"), 400)
+    assert "not valid JSON" in err["message"]
+    err = error_of(http.post("/v1/chat/completions", content=b""), 400)
+    assert "empty" in err["message"]
+    error_of(http.post("/v1/completions", json=[1, 2]), 400)
+
+
+def test_bad_chat_requests(http):
+    err = error_of(http.post("/v1/chat/completions", json={"model": "tiny"}), 400)
+    assert err["param"] == "messages"
+    err = error_of(
+        http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"x": 1}]}), 400
+    )
+    assert "role" in err["message"]
+    bad = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}
+    assert error_of(http.post("/v1/chat/completions", json=bad), 400)["param"] == "top_p"
+
+
+def test_unknown_model(http):
+    body = {"model": "gpt-4", "prompt": "hi"}
+    err = error_of(http.post("/v1/completions", json=body), 404)
+    assert "gpt-4" in err["message"] and "`tiny`" in err["message"]
+    assert err["code"] == "model_not_found"
+    chat = {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}
+    assert "tiny" in error_of(http.post("/v1/chat/completions", json=chat), 404)["message"]
+
+
+def test_prompt_too_long(http):
+    limit = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    body = {"model": "tiny", "prompt": [7] * limit, "max_tokens": 1}
+    err = error_of(http.post("/v1/completions", json=body), 400)
+    assert err["code"] == "context_length_exceeded"
+    assert f"maximum context length is {limit} tokens" in err["message"]
+    body = {"model": "tiny", "prompt": [7] * 10, "max_tokens": limit}
+    assert "max_tokens" in error_of(http.post("/v1/completions", json=body), 400)["message"]
+    # Streams report it with a status code too, before any event.
+    body = {"model": "tiny", "prompt": [7] * limit, "stream": True}
+    error_of(http.post("/v1/completions", json=body), 400)
+
+
+def test_unknown_route_is_openai_shaped(http):
+    error_of(http.get("/v1/nothing"), 404)
+
+
+def test_models_and_health(http, workers):
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert models["data"][0]["max_model_len"] == 4096
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert {w["address"] for w in r.json()["workers"]} == {w.address for w in workers}
+
+
+def test_metrics(http):
+    body = {"model": "tiny", "prompt": "metrics", "max_tokens": 4, "temperature": 0}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.read()
+    http.post("/v1/completions", json={**body, "n": 3})
+    r = http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for needle in (
+        'hybrid_pd_proxy_requests_total{endpoint="/v1/completions",status="200"}',
+        'hybrid_pd_proxy_requests_total{endpoint="/v1/completions",status="400"}',
+        "hybrid_pd_proxy_time_to_first_token_seconds_bucket",
+        "hybrid_pd_proxy_inter_token_latency_seconds_count",
+        "hybrid_pd_proxy_kv_transfer_bytes_total",
+        "hybrid_pd_proxy_kv_transfer_seconds_bucket",
+        'hybrid_pd_proxy_routes_total{route="decode_only"}',
+        "hybrid_pd_proxy_worker_free_blocks{",
+        "hybrid_pd_proxy_worker_up{",
+        "# TYPE hybrid_pd_proxy_failures_total counter",
+    ):
+        assert needle in text, needle
+    count = "hybrid_pd_proxy_time_to_first_token_seconds_count "
+    ttft = [ln for ln in text.splitlines() if ln.startswith(count)]
+    assert float(ttft[0].split()[-1]) >= 2
+
+
+def test_no_worker_available(tiny_path):
+    """Nothing listens at the only decode address: 503 on requests, /health says so."""
+    handle = make_proxy(tiny_path, decode_addresses=(free_address(),), control_timeout_s=1.0)
+    try:
+        with httpx.Client(base_url=handle.url, timeout=20) as c:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+            err = error_of(c.post("/v1/completions", json=body), 503)
+            assert "worker" in err["message"]
+            err = error_of(c.post("/v1/completions", json={**body, "stream": True}), 503)
+            r = c.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "unavailable"
+            assert 'hybrid_pd_proxy_failures_total{kind="no_worker"}' in c.get("/metrics").text
+    finally:
+        handle.stop()
+        handle.pool.close()

@@ -1,0 +1,216 @@
+"""Pure parts of the proxy: config, routing helpers, worker picking, detokenization, parsing."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import grpc
+import pytest
+
+from hybrid_pd.engine.sampling import SamplingParams
+from hybrid_pd.engine.tokenizer import Tokenizer
+from hybrid_pd.proxy.config import ProxyConfig, model_info
+from hybrid_pd.proxy.detok import TextStream
+from hybrid_pd.proxy.errors import ProxyError
+from hybrid_pd.proxy.protocol import ModelContext, parse_chat, parse_completion
+from hybrid_pd.proxy.routing import (
+    WorkerPool,
+    prepare_decode_request,
+    prepare_prefill_request,
+    wants_prefill,
+)
+from hybrid_pd.proxy.worker_client import PrefillResult
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- config ---------------------------------------------------------------------------------
+def test_config_defaults_and_validation():
+    c = ProxyConfig(decode_addresses=["127.0.0.1:1"])
+    assert (c.host, c.port, c.model_name, c.min_prefill_tokens) == ("127.0.0.1", 8000, "tiny", 32)
+    assert c.decode_addresses == ("127.0.0.1:1",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.port = 1  # type: ignore[misc]
+    for bad in (
+        {"port": 70000},
+        {"port": -1},
+        {"host": ""},
+        {"model_name": " "},
+        {"min_prefill_tokens": -1},
+        {"prefill_addresses": ("nohost",)},
+        {"decode_addresses": ("h:notaport",)},
+        {"request_timeout_s": 0},
+        {"stream_idle_timeout_s": -1},
+        {"failure_policy": "retry"},
+        {"max_model_len": 1},
+    ):
+        with pytest.raises(ValueError):
+            ProxyConfig(**bad)
+
+
+def test_model_info_caps_like_the_engine(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["X"],
+                "text_config": {"max_position_embeddings": 10**6, "vocab_size": 300},
+            }
+        )
+    )
+    info = model_info(tmp_path)
+    assert (info.max_model_len, info.vocab_size) == (32768, 300)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))
+    assert model_info(tmp_path).max_model_len == 4096
+    assert model_info(tmp_path, 100).max_model_len == 100
+
+
+# -- request pieces -------------------------------------------------------------------------
+def test_prepare_requests():
+    params = SamplingParams(max_tokens=5, temperature=0.5, seed=3, stop=("x",))
+    p = prepare_prefill_request("r", [1, 2, 3], params, attempt=1)
+    assert p.request_id == "r-p1" and p.prompt_ids == [1, 2, 3]
+    assert p.sampling.max_tokens == 5 and p.sampling.has_seed and list(p.sampling.stop) == ["x"]
+    d = prepare_decode_request("r", [1, 2, 3], params)
+    assert d.request_id == "r-d0" and d.kv_transfer_params is None
+    kv = {"request_id": "r-p1", "prompt_len": 3, "first_token": 9}
+    d = prepare_decode_request("r", [1, 2, 3], params, PrefillResult(9, False, "", kv), "fail")
+    assert d.kv_transfer_params == kv and d.failure_policy == "fail"
+    with pytest.raises(ValueError):
+        prepare_decode_request("r", [1, 2], params, PrefillResult(9, False, "", kv))
+    with pytest.raises(ValueError):
+        prepare_decode_request("r", [1, 2, 3], params, PrefillResult(9, True, "stop", None))
+    with pytest.raises(ValueError):
+        prepare_prefill_request("r", [], params)
+    assert wants_prefill(32, 32, 1) and not wants_prefill(31, 32, 1)
+    assert not wants_prefill(100, 32, 0)
+
+
+# -- worker picking -------------------------------------------------------------------------
+class StubClient:
+    def __init__(self, address, stats=None):
+        self.address = address
+        self._stats = stats
+        self.stats_calls = 0
+
+    def stats(self, timeout_s=None):
+        self.stats_calls += 1
+        if self._stats is None:
+            raise grpc.RpcError("down")
+        return dict(self._stats)
+
+    def close(self):
+        pass
+
+
+def stats(free, running=0, waiting=0, total=100):
+    return {"free_blocks": free, "num_blocks": total, "running": running, "waiting": waiting}
+
+
+def test_pick_prefill_by_outstanding_tokens():
+    a, b = StubClient("a:1", stats(99)), StubClient("b:1", stats(99))
+    pool = WorkerPool([a, b], [], stats_interval_ms=0)
+    wa, wb = pool.workers["a:1"], pool.workers["b:1"]
+    pool.begin_prefill(wa, 500)
+    assert pool.pick_prefill() is wb
+    pool.begin_prefill(wb, 600)
+    assert pool.pick_prefill() is wa
+    assert pool.pick_prefill(exclude=[wa]) is wb
+    pool.end_prefill(wb, 600)
+    assert pool.pick_prefill() is wb
+    pool.mark_failed(wb, "UNAVAILABLE")
+    pool.stats_interval_s = 60  # no refresh: the failure stands
+    assert pool.pick_prefill() is wa
+    assert pool.pick_prefill(exclude=[wa]) is None
+
+
+def test_pick_decode_by_health_blocks_and_load():
+    full = StubClient("full:1", stats(5, running=0))
+    busy = StubClient("busy:1", stats(80, running=6))
+    idle = StubClient("idle:1", stats(60, running=1))
+    down = StubClient("down:1", None)
+    pool = WorkerPool([], [full, busy, idle, down], stats_interval_ms=0)
+    assert pool.pick_decode().address == "idle:1"
+    w = pool.workers
+    for _ in range(7):  # the proxy's own open streams count even before Stats show them
+        pool.begin_decode(w["idle:1"])
+    assert pool.pick_decode().address == "busy:1"
+    assert pool.pick_decode(exclude=[w["busy:1"], w["idle:1"]]).address == "full:1"
+    assert pool.pick_decode(exclude=[w["busy:1"], w["idle:1"], w["full:1"]]) is None
+    assert not w["down:1"].healthy and w["down:1"].last_error
+    assert pool.decode_available()
+
+
+def test_stats_refresh_interval():
+    c = StubClient("a:1", stats(10))
+    pool = WorkerPool([], [c], stats_interval_ms=60_000)
+    pool.pick_decode()
+    pool.pick_decode()
+    assert c.stats_calls == 1
+    pool.refresh(force=True)
+    assert c.stats_calls == 2
+    snap = pool.snapshot()
+    assert snap[0]["roles"] == ["decode"] and snap[0]["free_blocks"] == 10
+
+
+def test_same_address_in_both_roles_is_one_worker():
+    pool = WorkerPool(["127.0.0.1:1"], ["127.0.0.1:1"])
+    try:
+        assert len(pool.workers) == 1
+        assert pool.workers["127.0.0.1:1"].roles == {"prefill", "decode"}
+    finally:
+        pool.close()
+
+
+# -- detokenization -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tok(tiny_path):
+    return Tokenizer(tiny_path)
+
+
+def test_text_stream_holds_back_partial_utf8_and_stop_prefixes(tok):
+    ids = tok.encode("ab é xyz!")
+    s = TextStream(tok, ("xyz",))
+    out = [s.push([t]) for t in ids]
+    assert "".join(out) == "ab é "
+    assert s.stopped and "\ufffd" not in "".join(out)
+    s = TextStream(tok, ("xyq",))
+    text = "".join(s.push([t]) for t in ids) + s.flush()
+    assert text == "ab é xyz!" and not s.stopped
+    s = TextStream(None, ("x",))
+    assert s.push([1, 2]) == "" and s.flush() == "" and s.token_ids == [1, 2]
+
+
+# -- parsing --------------------------------------------------------------------------------
+def test_parse_requests(tok):
+    ctx = ModelContext("tiny", tok, 100, 512, default_chat_max_tokens=50)
+    r = parse_completion({"model": "tiny", "prompt": [[1, 2, 3]], "stop": "x"}, ctx)
+    assert r.prompt_ids == [1, 2, 3] and r.params.max_tokens == 16
+    assert r.params.stop == ("x",) and r.params.temperature == 1.0 and not r.stream
+    r = parse_completion(
+        {
+            "model": "tiny",
+            "prompt": "hi",
+            "top_k": -1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0,
+        },
+        ctx,
+    )
+    assert r.params.top_k == 0 and r.stream and r.include_usage and r.params.greedy
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    }
+    r = parse_chat(chat, ctx)
+    assert tok.decode(r.prompt_ids).startswith("<|user|>\nhi")
+    assert r.params.max_tokens == 50  # the chat default, within the room left
+    r = parse_chat({**chat, "max_completion_tokens": 7, "max_tokens": 9}, ctx)
+    assert r.params.max_tokens == 7
+    with pytest.raises(ProxyError) as e:
+        parse_completion({"model": "tiny", "prompt": [1] * 90, "max_tokens": 20}, ctx)
+    assert e.value.status == 400 and e.value.code == "context_length_exceeded"
+    with pytest.raises(ProxyError) as e:
+        parse_completion({"model": "other", "prompt": "x"}, ctx)
+    assert e.value.status == 404 and "tiny" in e.value.message
