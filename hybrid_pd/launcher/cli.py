@@ -278,6 +278,68 @@ def _cmd_generate_pd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="prefill/decode pools on Ray behind an OpenAI-style proxy")
+    p.add_argument("--config", help="YAML file with the settings below (flags override it)")
+    p.add_argument("--address", help="join this Ray cluster (default: embedded local Ray)")
+    p.add_argument("--prefill", type=int, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, help="decode workers (default 1)")
+    p.add_argument("--model", help="checkpoint folder or `tiny` (default)")
+    p.add_argument("--host", help="proxy address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="proxy port (default 8000; 0 picks one)")
+    p.add_argument("--kv-memory", help="KV memory per worker (default 1GiB)")
+    p.add_argument("--secret", help="shared secret for all worker RPCs")
+    p.add_argument("--device", help="torch device of the workers (e.g. cuda)")
+    p.add_argument("--failure-policy", choices=("recompute", "fail"))
+    p.add_argument(
+        "--min-prefill-tokens", type=int, help="shorter prompts skip the prefill pool (default 32)"
+    )
+    p.add_argument("--threads", type=int, help="torch threads per worker")
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from hybrid_pd.launcher.serve import Deployment, ServeConfig, wait_ready
+
+    keys = (
+        "address",
+        "prefill",
+        "decode",
+        "model",
+        "host",
+        "port",
+        "kv_memory",
+        "secret",
+        "device",
+        "failure_policy",
+        "min_prefill_tokens",
+        "threads",
+    )
+    overrides = {k: getattr(args, k) for k in keys}
+    if args.config:
+        config = ServeConfig.from_yaml(args.config, **overrides)
+    else:
+        config = ServeConfig(**{k: v for k, v in overrides.items() if v is not None})
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    deployment = Deployment(config)
+    try:
+        wait_ready(deployment.url)
+        print(
+            f"hybrid-pd serving {config.model} at {deployment.url}/v1 "
+            f"({config.prefill} prefill, {config.decode} decode workers)",
+            flush=True,
+        )
+        done.wait()
+    finally:
+        deployment.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid-pd", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hybrid-pd {__version__}")
@@ -285,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
     _add_generate(sub)
+    _add_serve(sub)
     from hybrid_pd.launcher.bench import add_bench
 
     add_bench(sub)

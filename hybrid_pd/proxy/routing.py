@@ -158,6 +158,34 @@ class WorkerPool:
         for client in self._owned:
             client.close()
 
+    def sync(
+        self,
+        prefill: Iterable[str],
+        decode: Iterable[str],
+        *,
+        secret: str | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        """Make the pool hold exactly these addresses (a restarted worker comes back on a
+        new port): new ones are added, vanished ones dropped with their bookkeeping."""
+        wanted: dict[str, set[str]] = {}
+        for role, items in (("prefill", prefill), ("decode", decode)):
+            for address in items:
+                wanted.setdefault(address, set()).add(role)
+        with self._lock:
+            for address in list(self.workers):
+                if address not in wanted:
+                    gone = self.workers.pop(address)
+                    if gone.client in self._owned:
+                        self._owned.remove(gone.client)
+                        gone.client.close()
+            for address, roles in wanted.items():
+                if address not in self.workers:
+                    client = WorkerClient(address, secret=secret, timeout_s=timeout_s)
+                    self._owned.append(client)
+                    self.workers[address] = WorkerState(address, client)
+                self.workers[address].roles = set(roles)
+
     def with_role(self, role: str) -> list[WorkerState]:
         return [w for w in self.workers.values() if role in w.roles]
 
