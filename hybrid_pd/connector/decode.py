@@ -66,7 +66,7 @@ class DecodeConnector:
         # Tags: a random per-connector base plus a counter, 2**16 messages per transfer.
         self._tag_base = secrets.randbits(24) << 40
         self._counter = itertools.count()
-        self.stats = {"pulls": 0, "failed": 0, "bytes": 0, "messages": 0}
+        self.stats: dict = {"pulls": 0, "failed": 0, "bytes": 0, "messages": 0, "last_error": ""}
 
     def _peer(self, address: str) -> _Peer:
         with self._lock:

@@ -295,6 +295,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--min-prefill-tokens", type=int, help="shorter prompts skip the prefill pool (default 32)"
     )
     p.add_argument("--threads", type=int, help="torch threads per worker")
+    p.add_argument("--ucx-tls", help="UCX transports for KV transfers (e.g. tcp,self)")
     p.set_defaults(func=_cmd_serve)
 
 

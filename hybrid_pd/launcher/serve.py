@@ -42,6 +42,8 @@ class ServeConfig:
     threads: int | None = None
     #: Where workers serve gRPC: "auto" = the Ray node's address (clusters), else a host.
     worker_host: str | None = None
+    #: UCX transports for KV transfers (UCX_TLS syntax); None: UCX's choice.
+    ucx_tls: str | None = None
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1:
@@ -76,6 +78,7 @@ class ServeConfig:
             secret=self.secret,
             lease_s=self.lease_s,
             failure_policy=self.failure_policy,
+            ucx_tls=self.ucx_tls,
         )
 
 

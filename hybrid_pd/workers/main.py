@@ -32,6 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lease-s", type=float, default=30.0)
     p.add_argument("--failure-policy", choices=("recompute", "fail"), default="recompute")
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
+    p.add_argument("--ucx-tls", default=None, help="UCX transports, e.g. tcp,self")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes")
     return p.parse_args(argv)
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         lease_s=args.lease_s,
         failure_policy=args.failure_policy,
         transfer_timeout_s=args.transfer_timeout_s,
+        ucx_tls=args.ucx_tls,
     )
     worker = Worker(config)
     done = threading.Event()

@@ -42,6 +42,8 @@ class WorkerConfig:
     failure_policy: str = "recompute"  # or "fail"
     transfer_timeout_s: float = 30.0
     request_timeout_s: float = 300.0
+    #: UCX transports (UCX_TLS syntax, e.g. "tcp,self"); None: UCX's choice.
+    ucx_tls: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -62,7 +64,10 @@ class Worker:
         self.model_name = config.model
         probe = Engine(model, hf_config, config.engine, tokenizer)  # sizes the pool
         self.layout = KVLayout.of(probe.kv_config, _model_identity(hf_config, model))
-        self.transport = UcxTransport(ucx_options=ucx_options_for(config.host))
+        ucx = ucx_options_for(config.host)
+        if config.ucx_tls:
+            ucx["TLS"] = config.ucx_tls
+        self.transport = UcxTransport(ucx_options=ucx)
         self.transport.start()
         self.server, self.port = make_server(f"{config.host}:{config.port}", config.secret)
         self.address = f"{config.host}:{self.port}"
@@ -144,11 +149,35 @@ class Worker:
 
 
 def ucx_options_for(host: str) -> dict[str, str]:
-    """A worker serving on loopback keeps UCX on loopback too (shared memory still carries
-    same-host transfers); otherwise UCX's own choice, or UCX_NET_DEVICES when set."""
-    if os.environ.get("UCX_NET_DEVICES") or host not in ("127.0.0.1", "localhost", "::1"):
+    """UCX devices matching the gRPC address: loopback for a loopback worker, else the
+    interface that owns `host` (UCX would otherwise also advertise loopback, which a peer on
+    another host cannot reach). UCX_NET_DEVICES in the environment wins. Shared memory
+    still carries same-host transfers."""
+    if os.environ.get("UCX_NET_DEVICES"):
         return {}
-    return {"NET_DEVICES": "lo"}
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return {"NET_DEVICES": "lo"}
+    iface = interface_of(host)
+    return {"NET_DEVICES": iface} if iface else {}
+
+
+def interface_of(ip: str) -> str | None:
+    """Name of the local network interface holding IPv4 address `ip` (Linux), or None."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24])
+            except OSError:
+                continue
+            if addr == ip:
+                return name
+    return None
 
 
 def _model_identity(hf_config: dict, model) -> str:

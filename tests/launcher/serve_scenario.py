@@ -31,12 +31,22 @@ def main() -> int:
         prompt = "A prompt long enough to take the prefill pool and then the decode pool."
         ids = tok.encode(prompt)
         ref = engine.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True))[0]
-        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
-                                        temperature=0, extra_body={"ignore_eos": True})
+        out = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         result["completion_ok"] = out.choices[0].text == ref.text
-        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
-                                           temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         result["stream_ok"] = "".join(c.choices[0].text for c in stream) == ref.text
         # A prefill worker dies: Ray restarts it on a new port and the proxy follows.
         victim = dep.actors["prefill"][0]
@@ -46,13 +56,19 @@ def main() -> int:
         while dep.addresses["prefill"] == [old] and time.monotonic() < deadline:
             time.sleep(0.5)
         result["restarted"] = dep.addresses["prefill"] != [old]
-        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
-                                        temperature=0, extra_body={"ignore_eos": True})
+        out = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         result["after_restart_ok"] = out.choices[0].text == ref.text
         time.sleep(1.0)
         stats = dep.worker_stats()
-        result["leaked"] = {k: s["num_blocks"] - 1 - s["free_blocks"] + s.get("leases", 0)
-                            for k, s in stats.items()}
+        result["leaked"] = {
+            k: s["num_blocks"] - 1 - s["free_blocks"] + s.get("leases", 0) for k, s in stats.items()
+        }
     finally:
         dep.close()
     print(json.dumps(result), flush=True)

@@ -12,24 +12,36 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
-                       reason="needs root and unshare for a private network namespace"),
+    pytest.mark.skipif(
+        shutil.which("unshare") is None or os.geteuid() != 0,
+        reason="needs root and unshare for a private network namespace",
+    ),
 ]
 
 
 def run_in_netns(module: str, timeout: float, env: dict) -> dict:
-    cmd = ["unshare", "-n", "--", "sh", "-c",
-           f"ip link set lo up && exec {sys.executable} -m {module}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **env})
+    cmd = [
+        "unshare",
+        "-n",
+        "--",
+        "sh",
+        "-c",
+        f"ip link set lo up && exec {sys.executable} -m {module}",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stderr[-4000:]}"
     return json.loads(lines[-1])
 
 
 def test_serve_embedded_ray_openai_client_and_restart(tmp_path):
-    result = run_in_netns("tests.launcher.serve_scenario", 420,
-                          {"HYBRID_PD_CACHE": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"})
+    result = run_in_netns(
+        "tests.launcher.serve_scenario",
+        420,
+        {"HYBRID_PD_CACHE": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"},
+    )
     assert result["completion_ok"] and result["stream_ok"]
     assert result["restarted"] and result["after_restart_ok"]
     assert all(v == 0 for v in result["leaked"].values()), result["leaked"]

@@ -1,0 +1,80 @@
+"""Test hosts: Linux network namespaces joined by veth pairs through a bridge.
+
+    [ns head 172.31.250.1] --veth--+
+    [ns pre  172.31.250.2] --veth--+-- bridge (in its own switch namespace)
+    [ns dec  172.31.250.3] --veth--+
+
+The addresses exist only inside namespaces this module creates and deletes; nothing is
+routed to or from the machine's real interfaces.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+
+SUBNET = "172.31.250"
+
+
+def sh(*cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=timeout)
+
+
+class NetnsHosts:
+    def __init__(self, names: list[str]) -> None:
+        tag = secrets.token_hex(3)
+        self.switch = f"hpdsw{tag}"
+        self.ns = {name: f"hpd{name[:4]}{tag}" for name in names}
+        self.ip = {name: f"{SUBNET}.{i + 1}" for i, name in enumerate(names)}
+        self._created: list[str] = []
+        try:
+            self._build(tag)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, tag: str) -> None:
+        sh("ip", "netns", "add", self.switch)
+        self._created.append(self.switch)
+        sw = ["ip", "netns", "exec", self.switch]
+        sh(*sw, "ip", "link", "add", "br0", "type", "bridge")
+        sh(*sw, "ip", "link", "set", "br0", "up")
+        sh(*sw, "ip", "link", "set", "lo", "up")
+        for i, (name, ns) in enumerate(self.ns.items()):
+            sh("ip", "netns", "add", ns)
+            self._created.append(ns)
+            host_end, sw_end = f"h{i}{tag}", f"s{i}{tag}"
+            sh(
+                "ip",
+                "link",
+                "add",
+                host_end,
+                "netns",
+                ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                sw_end,
+                "netns",
+                self.switch,
+            )
+            sh(*sw, "ip", "link", "set", sw_end, "master", "br0")
+            sh(*sw, "ip", "link", "set", sw_end, "up")
+            run = ["ip", "netns", "exec", ns]
+            sh(*run, "ip", "link", "set", "lo", "up")
+            sh(*run, "ip", "link", "set", host_end, "name", "eth0")
+            sh(*run, "ip", "addr", "add", f"{self.ip[name]}/24", "dev", "eth0")
+            sh(*run, "ip", "link", "set", "eth0", "up")
+
+    def cmd(self, name: str, *argv: str) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[name], *argv]
+
+    def close(self) -> None:
+        for ns in reversed(self._created):
+            sh("ip", "netns", "pids", ns, check=False)
+            pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
+            for pid in pids:
+                sh("kill", "-9", pid, check=False)
+            sh("ip", "netns", "del", ns, check=False)
+        self._created.clear()
