@@ -30,7 +30,7 @@ from hybrid_pd.kvcache.specs import (
 
 logger = logging.getLogger(__name__)
 
-TOLERANCE = 0.005
+TOLERANCE = 0.01
 MAX_BLOCKS_PER_STATE = 8
 #: A page holds at most this many whole states when the page size is taken from a state.
 MAX_STATES_PER_PAGE = 4

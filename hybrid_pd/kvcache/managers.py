@@ -57,9 +57,14 @@ class GroupManager:
         return out
 
     def longest_hit(self, hashes: Sequence[BlockHash], max_blocks: int) -> int:
-        """Largest h <= max_blocks for which `hit_blocks(hashes, h)` is valid (0 always is)."""
+        """Largest h <= max_blocks for which `hit_blocks(hashes, h)` is valid (0 always is):
+        the blocks [first needed block at h, h) must all be cached. One pass, O(max_blocks)."""
+        run = [0] * max_blocks  # run[i]: consecutive cached blocks ending at block i
+        for i in range(max_blocks):
+            if self.pool.lookup(hashes[i], self.group_id) is not None:
+                run[i] = run[i - 1] + 1 if i else 1
         for h in range(max_blocks, 0, -1):
-            if self.hit_blocks(hashes, h) is not None:
+            if run[h - 1] >= h - self.first_needed_block(h * self.block_size):
                 return h
         return 0
 
