@@ -88,7 +88,7 @@ class Deployment:
     def __init__(self, config: ServeConfig) -> None:
         import ray
 
-        from hybrid_pd.engine.tiny import resolve_model
+        from hybrid_pd.engine.tiny import TINY_NAME, resolve_model
         from hybrid_pd.launcher.actors import WorkerActor
         from hybrid_pd.proxy.config import ProxyConfig
         from hybrid_pd.proxy.routing import WorkerPool
@@ -96,8 +96,12 @@ class Deployment:
 
         self.config = config
         model_path = str(resolve_model(config.model))  # builds `tiny` once, before workers
+        # Each worker resolves `tiny` on its own node (built there if missing); a checkpoint
+        # path must exist at the same place on every node.
+        worker_model = config.model if config.model == TINY_NAME else model_path
         if config.address is None:
             ray.init(
+                address="local",  # always a new instance, even if another one runs here
                 _node_ip_address="127.0.0.1",
                 include_dashboard=False,
                 resources={"prefill": config.prefill, "decode": config.decode},
@@ -117,7 +121,7 @@ class Deployment:
                     num_gpus=gpu,
                     max_restarts=config.max_restarts,
                     max_task_retries=0,
-                ).remote(config.worker_config(role, model_path), config.threads)
+                ).remote(config.worker_config(role, worker_model), config.threads)
                 self.actors[role].append(actor)
         self.addresses = self._addresses(timeout=300)
         proxy_config = ProxyConfig(
