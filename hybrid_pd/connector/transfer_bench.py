@@ -31,6 +31,7 @@ from hybrid_pd.kvcache.reference_configs import reference_config
 from hybrid_pd.proto import kv_control_pb2_grpc
 
 _TIMEOUT = 120.0
+_CHUNK = 2048  # prefill chunk of the synthetic requests
 
 
 class _Req:
@@ -47,7 +48,9 @@ def _config(model: str, max_len: int) -> tuple[KVCacheConfig, Any]:
 
 
 def _blocks_for(config: KVCacheConfig, max_len: int) -> int:
-    return config.blocks_per_request(max_len) + 8
+    # Steady state of the longest request plus one prefill chunk in every group.
+    chunk_blocks = -(-_CHUNK // config.block_size) + 2
+    return config.blocks_per_request(max_len) + len(config.groups) * chunk_blocks + 8
 
 
 def _prefill_child(conn, model: str, max_len: int, ucx: dict) -> None:
@@ -80,9 +83,13 @@ def _prefill_child(conn, model: str, max_len: int, ucx: dict) -> None:
             if cmd == "lease":
                 rid, n = args
                 tokens = list(range(n))
-                kv.allocate_slots(RequestId(rid), tokens, n)
-                kv.commit_computed(RequestId(rid), n)
-                kv.release_out_of_window(RequestId(rid))
+                rid_ = RequestId(rid)
+                for start in range(0, n, _CHUNK):  # chunked prefill, as the engine does it
+                    step = min(_CHUNK, n - start)
+                    if kv.allocate_slots(rid_, tokens, step) is None:
+                        raise RuntimeError("bench pool too small")
+                    kv.commit_computed(rid_, start + step)
+                kv.release_out_of_window(rid_)
                 _, params = conn_.request_finished_all_groups(
                     _Req(rid, n), kv.block_ids(RequestId(rid))
                 )
@@ -145,7 +152,7 @@ def bench_transfer(
             times, messages = [], 0
             for r in range(repeats):
                 parent.send(("lease", f"r{n}-{r}", n))
-                params = KVTransferParams.from_dict(parent.recv())
+                params = KVTransferParams.from_dict(_recv(parent, proc))
                 rid = RequestId(params.request_id)
                 ids = kv.allocate_external(rid, list(range(n + 1)), n)
                 stats = decode.pull(params, ids)
@@ -160,7 +167,7 @@ def bench_transfer(
                 raw += raw_bandwidth(
                     transport, peer, tag, buf, repeats=1, send=False, timeout=_TIMEOUT
                 )
-                parent.recv()
+                _recv(parent, proc)
                 tag += 1
             kv_s, raw_s = statistics.median(times), statistics.median(raw)
             rows.append(
@@ -177,7 +184,7 @@ def bench_transfer(
                 }
             )
         parent.send(("leaks",))
-        prefill_leaks = parent.recv()
+        prefill_leaks = _recv(parent, proc)
         decode.close()
         return {
             "model": model,
@@ -198,3 +205,10 @@ def bench_transfer(
         if proc.is_alive():
             proc.kill()
         transport.close()
+
+
+def _recv(conn, proc):
+    """The child's next answer; fails instead of hanging when the child died."""
+    if not conn.poll(_TIMEOUT):
+        raise RuntimeError(f"prefill side gave no answer (exit code {proc.exitcode})")
+    return conn.recv()

@@ -101,7 +101,8 @@ from hybrid_pd.connector.base import TransferFailed
 logger = logging.getLogger(__name__)
 
 # Defaults applied to os.environ (only where unset) before the UCX context is created.
-UCX_ENV_DEFAULTS = {"UCX_WARN_UNUSED_ENV_VARS": "n"}
+# UCXX_LOG_LEVEL: ucxx prints its warnings on stdout, which would corrupt `--json` output.
+UCX_ENV_DEFAULTS = {"UCX_WARN_UNUSED_ENV_VARS": "n", "UCXX_LOG_LEVEL": "ERROR"}
 
 TAG_SPACE = 1 << 64
 _UCS_ERR_CANCELED = -16

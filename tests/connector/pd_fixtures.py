@@ -60,5 +60,9 @@ def wait_until(cond, timeout: float, what: str) -> None:
 
 
 def no_leaks(stats: dict) -> bool:
-    return (stats["free_blocks"] == stats["num_blocks"] - 1 and stats["kv_requests"] == 0
-            and stats.get("leases", 0) == 0 and stats["integrity"] == "ok")
+    return (
+        stats["free_blocks"] == stats["num_blocks"] - 1
+        and stats["kv_requests"] == 0
+        and stats.get("leases", 0) == 0
+        and stats["integrity"] == "ok"
+    )

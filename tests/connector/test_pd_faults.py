@@ -88,8 +88,7 @@ def test_lease_expiry(env):
     _leak_free(c["prefill"])  # nobody pulled: the lease ran out and the blocks came back
     assert c["prefill"].stats()["prefill_connector"]["expired"] >= 1
     with pytest.raises(grpc.RpcError, match="no KV kept"):
-        c["decode"].generate("exp-1", p, SAMPLING, first.kv_transfer_params,
-                             failure_policy="fail")
+        c["decode"].generate("exp-1", p, SAMPLING, first.kv_transfer_params, failure_policy="fail")
     _leak_free(c["decode"])
 
 
@@ -98,8 +97,9 @@ def test_layout_mismatch_is_refused_by_name(env):
     p = prompt(33, seed=14)
     first = c["prefill"].prefill("lay-1", p, SAMPLING)
     with pytest.raises(grpc.RpcError, match="block_size") as e:
-        c["decode_other_layout"].generate("lay-1", p, SAMPLING, first.kv_transfer_params,
-                                          failure_policy="fail")
+        c["decode_other_layout"].generate(
+            "lay-1", p, SAMPLING, first.kv_transfer_params, failure_policy="fail"
+        )
     assert "layout" in e.value.details().lower()
     out = c["decode_other_layout"].generate("lay-2", p, SAMPLING, first.kv_transfer_params)
     assert out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
@@ -119,8 +119,9 @@ def test_prefill_killed(env, when):
         if when == "before":
             doomed.kill()
         with pytest.raises(grpc.RpcError) as e:
-            c["decode"].generate(f"kill-{when}", p, SAMPLING, first.kv_transfer_params,
-                                 failure_policy="fail")
+            c["decode"].generate(
+                f"kill-{when}", p, SAMPLING, first.kv_transfer_params, failure_policy="fail"
+            )
         assert "prefill worker" in e.value.details()
         if when == "during":
             assert doomed.proc.wait(10) == 17  # it really died in the middle of the pull
