@@ -171,7 +171,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return _cmd_generate_pd(args)
     from hybrid_pd.engine.engine import Engine, EngineConfig
     from hybrid_pd.engine.loader import load_model
-    from hybrid_pd.engine.sampling import SamplingParams
     from hybrid_pd.engine.tiny import resolve_model
     from hybrid_pd.kvcache.planner import parse_bytes
 
@@ -179,22 +178,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     engine = Engine(
         model, config, EngineConfig(kv_memory_bytes=parse_bytes(args.kv_memory)), tokenizer
     )
-    if args.prompt_ids is not None:
-        try:
-            prompt: list[int] | str = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise ValueError("--prompt-ids takes integers separated by commas") from None
-    else:
-        prompt = args.prompt
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
-    out = engine.generate([prompt], params)[0]
+    out = engine.generate([_prompt_ids(args, tokenizer)], _sampling(args))[0]
     result = {
         "token_ids": out.token_ids,
         "text": out.text if out.text is not None else "",
@@ -203,6 +187,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     }
     print(json.dumps(result) if args.json else result["text"])
     return 0
+
+
+def _sampling(args: argparse.Namespace):
+    from hybrid_pd.engine.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
 
 
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
@@ -218,7 +215,6 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 def _cmd_generate_pd(args: argparse.Namespace) -> int:
     """One prefill and one decode worker process on 127.0.0.1; this process is the proxy."""
-    from hybrid_pd.engine.sampling import SamplingParams
     from hybrid_pd.engine.tiny import resolve_model
     from hybrid_pd.engine.tokenizer import Tokenizer
     from hybrid_pd.launcher.local import start_worker
@@ -228,14 +224,7 @@ def _cmd_generate_pd(args: argparse.Namespace) -> int:
     path = resolve_model(args.model)
     tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
     prompt = _prompt_ids(args, tokenizer)
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
+    params = _sampling(args)
     common = [
         "--model",
         str(path),
