@@ -17,6 +17,9 @@ from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
+#: While decode waits for free blocks, it extends the prefill lease this often.
+HEARTBEAT_S = 5.0
+
 
 def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
     return SamplingParams(
@@ -136,12 +139,20 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             raise ValueError("failure_policy must be 'recompute' or 'fail'")
         engine = self.w.engine
         deadline = time.monotonic() + self.w.config.transfer_timeout_s
+        next_beat = time.monotonic() + HEARTBEAT_S
         while (
             res := self.w.loop.call(engine.reserve_remote, rid, prompt, kv.first_token, params)
         ) is None:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:  # the pool stayed full: give the KV back, maybe recompute
                 self.w.decode.abort(kv)
-                raise TransferFailed("decode worker has no free KV blocks for this request")
+                if policy == "fail":
+                    raise TransferFailed("decode worker has no free KV blocks for this request")
+                rid, q = self.w.loop.submit(prompt, params, rid, output_ids=[kv.first_token])
+                return rid, q, pb.TransferStats(recomputed=True)
+            if now > next_beat:  # keep the prefill worker's lease alive while we wait
+                self.w.decode.heartbeat([kv])
+                next_beat = now + HEARTBEAT_S
             time.sleep(0.01)
         req, block_ids = res
         try:
