@@ -32,6 +32,8 @@ def paged_attention(
     """
     cache = batch.kv.attention_view(layer_name)  # [N, 2, B, Hkv, D]
     bs = cache.shape[2]
+    if len(batch.seqs) > 1 and batch.num_tokens == len(batch.seqs):
+        return _decode_batched(layer_name, q, k, v, batch, cache, scale, window, chunk, softcap)
     out = torch.empty_like(q)
     for seq in batch.seqs:
         table = batch.block_table(layer_name, seq)
@@ -41,6 +43,44 @@ def paged_attention(
         qs = q[seq.start : seq.end]
         out[seq.start : seq.end] = _attend(qs, keys, values, seq, lo, scale, window, chunk, softcap)
     return out
+
+
+def _decode_batched(
+    layer_name, q, k, v, batch: ForwardBatch, cache, scale, window, chunk, softcap
+) -> torch.Tensor:
+    """One new token per sequence: write all K/V with one scatter, gather every sequence's
+    readable blocks into one padded tensor, attend with a length mask."""
+    bs = cache.shape[2]
+    dev = cache.device
+    tables = [batch.block_table(layer_name, s) for s in batch.seqs]
+    pos = [s.num_computed for s in batch.seqs]
+    blocks = torch.tensor([t[p // bs] for t, p in zip(tables, pos, strict=True)], device=dev)
+    slots = torch.tensor([p % bs for p in pos], device=dev)
+    cache[blocks, 0, slots] = k.to(cache.dtype)
+    cache[blocks, 1, slots] = v.to(cache.dtype)
+    first = [_first_key(p, window, chunk) // bs for p in pos]
+    spans = [t[f : p // bs + 1] for t, f, p in zip(tables, first, pos, strict=True)]
+    width = max(len(sp) for sp in spans)
+    ids = torch.tensor([sp + [0] * (width - len(sp)) for sp in spans], device=dev)
+    kv = cache[ids]  # [S, width, 2, B, Hkv, D]
+    keys = kv[:, :, 0].flatten(1, 2).to(q.dtype)  # [S, width*B, Hkv, D]
+    values = kv[:, :, 1].flatten(1, 2).to(q.dtype)
+    qpos = torch.tensor(pos, device=dev)[:, None]
+    kpos = torch.tensor(first, device=dev)[:, None] * bs + torch.arange(width * bs, device=dev)
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= (qpos - kpos) < window
+    if chunk is not None:
+        allowed &= (kpos // chunk) == (qpos // chunk)
+    n, hq, d = q.shape
+    hkv = keys.shape[2]
+    qg = q.view(n, hkv, hq // hkv, d)
+    scores = torch.einsum("sgrd,stgd->sgrt", qg, keys) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    probs = F.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.einsum("sgrt,stgd->sgrd", probs, values).reshape(n, hq, d)
 
 
 def _first_key(num_computed: int, window: int | None, chunk: int | None) -> int:

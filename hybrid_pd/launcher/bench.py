@@ -249,14 +249,20 @@ def bench_engine(
         }
         if hf is not None:
             ids = torch.tensor(prompts)
+            clock = _TokenClock()  # timestamps each token step inside one generate call
             with torch.no_grad():
+                hf.generate(ids[:, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
                 t0 = time.perf_counter()
-                hf.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
-                t1 = time.perf_counter()
-                hf.generate(ids, max_new_tokens=decode_tokens, do_sample=False, pad_token_id=0)
-                t2 = time.perf_counter()
-            prefill = t1 - t0
-            decode = max(1e-9, (t2 - t1) - prefill)
+                hf.generate(
+                    ids,
+                    max_new_tokens=decode_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                    streamer=clock,
+                )
+            first_token, last_token = clock.times[1], clock.times[-1]  # [0] is the prompt
+            prefill = first_token - t0
+            decode = max(1e-9, last_token - first_token)
             row["transformers_prefill_tokens_per_s"] = round(bs * prompt_len / prefill, 1)
             row["transformers_decode_tokens_per_s"] = round(bs * (decode_tokens - 1) / decode, 1)
             row["prefill_ratio"] = round(
@@ -267,6 +273,19 @@ def bench_engine(
             )
         rows.append(row)
     return {"model": model_name, "device": str(next(model.parameters()).device), "runs": rows}
+
+
+class _TokenClock:
+    """A transformers streamer that only records when each step's tokens arrive."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
 
 
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
