@@ -224,6 +224,10 @@ def test_recv_timeout_raises_cancels_and_drops_late_messages(peer, local):
     peer.ask("fill", 6)
     peer.ask("send", local.address, tag, [(0, 2), (2, 1)], 10)
     assert torch.all(dst == 7)
+    # The sender completes when the data is consumed; our count is updated just after.
+    deadline = time.monotonic() + 10
+    while local.stats()["drained"] < drained + 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert local.stats()["drained"] == drained + 2
     assert local.stats()["pending_ops"] == 0
 
