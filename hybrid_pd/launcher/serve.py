@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +212,3 @@ def wait_ready(url: str, timeout: float = 120.0) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} not healthy within {timeout:.0f} s")
-
-
-def with_overrides(config: ServeConfig, **overrides: Any) -> ServeConfig:
-    return replace(config, **{k: v for k, v in overrides.items() if v is not None})

@@ -62,8 +62,8 @@ class Worker:
         self.engine_id = f"{config.role}-{uuid.uuid4().hex[:10]}"
         model, hf_config, tokenizer = load_model(resolve_model(config.model), config.device)
         self.model_name = config.model
-        probe = Engine(model, hf_config, config.engine, tokenizer)  # sizes the pool
-        self.layout = KVLayout.of(probe.kv_config, _model_identity(hf_config, model))
+        engine = Engine(model, hf_config, config.engine, tokenizer)
+        self.layout = KVLayout.of(engine.kv_config, _model_identity(hf_config, model))
         ucx = ucx_options_for(config.host)
         if config.ucx_tls:
             ucx["TLS"] = config.ucx_tls
@@ -79,12 +79,12 @@ class Worker:
                 layout=self.layout,
                 control_address=self.address,
                 free_blocks=self._free_kept,
-                region=probe.pool.region,
+                region=engine.pool.region,
                 transport=self.transport,
                 lease_s=config.lease_s,
             )
-        probe.connector = self.prefill
-        self.engine = probe
+        engine.connector = self.prefill
+        self.engine = engine
         self.loop = EngineLoop(self.engine)
         if self.prefill is not None:
             self.loop.add_hook(self.prefill.expire)
