@@ -76,8 +76,9 @@ class KVCacheManager:
         return self._records[rid].num_computed
 
     def block_ids(self, rid: RequestId) -> BlockIds:
-        """Per-group block ids of a request (null block id 0 for skipped positions)."""
-        return tuple([int(b.block_id) for b in m.blocks(rid)] for m in self.managers)
+        """Per-group block ids of a request (null block id 0 for skipped positions). The
+        lists are live views kept in step by the managers: read them, do not change them."""
+        return tuple(m.block_ids(rid) for m in self.managers)
 
     def find_prefix_hit(self, token_ids: Sequence[int]) -> PrefixHit:
         """Longest prefix of `token_ids` cached for *all* groups, in whole blocks. The last
@@ -253,6 +254,9 @@ class KVCacheManager:
                     f"block {bid}: ref count {block.ref_cnt} but requests hold {refs.get(bid, 0)}"
                 )
         for m in self.managers:
+            for rid, blocks in m.req_blocks.items():
+                if m.req_ids.get(rid) != [int(b.block_id) for b in blocks]:
+                    raise IntegrityError(f"group {m.group_id}: block ids of {rid} out of step")
             stray = set(m.req_blocks) - set(self._records)
             if stray:
                 raise IntegrityError(f"group {m.group_id} holds blocks of unknown {stray}")

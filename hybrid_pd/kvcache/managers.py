@@ -34,12 +34,31 @@ class GroupManager:
         self.pool = pool
         self.block_size = block_size
         self.req_blocks: dict[RequestId, list[KVBlock]] = {}
+        #: The same lists as block ids, kept in step so the engine reads them without a copy.
+        self.req_ids: dict[RequestId, list[int]] = {}
         #: Number of leading blocks of each request already registered in the prefix cache.
         self.num_cached: dict[RequestId, int] = {}
+
+    # -- the per-request lists (every change goes through these) --------------------------
+    def _set(self, rid: RequestId, blocks: list[KVBlock]) -> None:
+        self.req_blocks[rid] = blocks
+        self.req_ids[rid] = [int(b.block_id) for b in blocks]
+
+    def _extend(self, rid: RequestId, blocks: list[KVBlock]) -> None:
+        self.req_blocks.setdefault(rid, []).extend(blocks)
+        self.req_ids.setdefault(rid, []).extend(int(b.block_id) for b in blocks)
+
+    def _pop(self, rid: RequestId) -> list[KVBlock]:
+        self.req_ids.pop(rid, None)
+        return self.req_blocks.pop(rid, [])
 
     # -- queries ---------------------------------------------------------------------------
     def blocks(self, rid: RequestId) -> list[KVBlock]:
         return self.req_blocks.get(rid, [])
+
+    def block_ids(self, rid: RequestId) -> list[int]:
+        """The request's block ids (live list: read it, do not keep or change it)."""
+        return self.req_ids.get(rid, [])
 
     def hit_blocks(self, hashes: Sequence[BlockHash], num_blocks: int) -> list[KVBlock] | None:
         """Blocks a request would take for a prefix hit of `num_blocks` blocks, or None if the
@@ -79,7 +98,7 @@ class GroupManager:
     # -- mutations -------------------------------------------------------------------------
     def take_hit(self, rid: RequestId, blocks: list[KVBlock]) -> None:
         self.pool.touch(blocks)
-        self.req_blocks[rid] = list(blocks)
+        self._set(rid, list(blocks))
         self.num_cached[rid] = len(blocks)
 
     def release_skipped(self, rid: RequestId, num_computed: int) -> None:
@@ -87,6 +106,7 @@ class GroupManager:
         blocks = self.req_blocks.get(rid)
         if not blocks:
             return
+        ids = self.req_ids[rid]
         first = min(self.first_needed_block(num_computed), len(blocks))
         dropped = []
         for i in range(first - 1, -1, -1):
@@ -94,11 +114,12 @@ class GroupManager:
                 break  # everything before was released earlier
             dropped.append(blocks[i])
             blocks[i] = self.pool.null_block
+            ids[i] = int(self.pool.null_block.block_id)
         self.pool.free(dropped)
 
     def allocate(self, rid: RequestId, num_tokens: int) -> None:
         n = self.num_new_blocks(rid, num_tokens)
-        self.req_blocks.setdefault(rid, []).extend(self.pool.allocate(n))
+        self._extend(rid, self.pool.allocate(n))
 
     def num_tail_blocks(self, num_tokens: int) -> int:
         """Blocks a request needs to continue after `num_tokens` computed elsewhere."""
@@ -109,7 +130,7 @@ class GroupManager:
         null block for positions no future query reads, fresh blocks for the rest."""
         first = self.first_needed_block(num_tokens)
         fresh = self.pool.allocate(self.num_tail_blocks(num_tokens))
-        self.req_blocks[rid] = [self.pool.null_block] * first + fresh
+        self._set(rid, [self.pool.null_block] * first + fresh)
 
     def cache_computed(
         self, rid: RequestId, hashes: Sequence[BlockHash], num_computed: int
@@ -125,7 +146,7 @@ class GroupManager:
 
     def free(self, rid: RequestId, hashes: Sequence[BlockHash], num_computed: int) -> None:
         """Free every block of the request, tail first (the tail is evicted first)."""
-        blocks = self.req_blocks.pop(rid, [])
+        blocks = self._pop(rid)
         self.num_cached.pop(rid, None)
         self.pool.free(reversed(blocks))
 
@@ -203,12 +224,12 @@ class StateManager(GroupManager):
         return None  # the state is always needed
 
     def allocate_tail(self, rid: RequestId, num_tokens: int) -> None:
-        self.req_blocks[rid] = self.pool.allocate(self.span)
+        self._set(rid, self.pool.allocate(self.span))
 
     def allocate(self, rid: RequestId, num_tokens: int) -> None:
         if self.num_new_blocks(rid, num_tokens):
             fresh = self.pool.allocate(self.span)
-            self.req_blocks[rid] = fresh
+            self._set(rid, fresh)
             pending = self.pending_copies.get(rid)
             if pending is not None and not pending[1]:  # hit taken: copy snapshot -> fresh
                 self.pending_copies[rid] = (pending[0], fresh)
@@ -248,12 +269,12 @@ class StateManager(GroupManager):
             self.pool.cache_block(block, _shard_hash(hashes[h - 1], j), self.group_id)
         fresh = self.pool.allocate(self.span)
         self.pending_copies[rid] = (blocks, fresh)
-        self.req_blocks[rid] = fresh
+        self._set(rid, fresh)
         return True
 
     def free(self, rid: RequestId, hashes: Sequence[BlockHash], num_computed: int) -> None:
         self.finish_copies(rid)
-        blocks = self.req_blocks.pop(rid, [])
+        blocks = self._pop(rid)
         h = num_computed // self.block_size
         if blocks and num_computed % self.block_size == 0 and 0 < h <= len(hashes):
             if not self.snapshot_blocks(hashes, h):
