@@ -57,6 +57,9 @@ class KVPool:
         self.buffer = torch.zeros(
             (num_blocks, config.page_size_bytes), dtype=torch.uint8, device=device
         )
+        # Views never change (the buffer is fixed): build each once, layers ask every step.
+        self._attention_views: dict[str, torch.Tensor] = {}
+        self._state_views: dict[str, list[torch.Tensor]] = {}
 
     @property
     def device(self) -> torch.device:
@@ -70,6 +73,12 @@ class KVPool:
 
     def attention_view(self, layer_name: str) -> torch.Tensor:
         """[num_blocks, 2 (K, V), block_size, kv_heads, head_dim] view of one layer's KV."""
+        view = self._attention_views.get(layer_name)
+        if view is None:
+            view = self._attention_views[layer_name] = self._make_attention_view(layer_name)
+        return view
+
+    def _make_attention_view(self, layer_name: str) -> torch.Tensor:
         spec = self.config.group_of(layer_name).spec
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"{layer_name} is not an attention layer")
@@ -81,6 +90,12 @@ class KVPool:
     def state_views(self, layer_name: str) -> list[torch.Tensor]:
         """One [num_blocks, *shape] view per state tensor of a layer whose state fits in one
         block (`blocks_per_state == 1`); index it with the request's state block id."""
+        views = self._state_views.get(layer_name)
+        if views is None:
+            views = self._state_views[layer_name] = self._make_state_views(layer_name)
+        return views
+
+    def _make_state_views(self, layer_name: str) -> list[torch.Tensor]:
         spec = self.config.group_of(layer_name).spec
         if not isinstance(spec, StateSpec):
             raise TypeError(f"{layer_name} is not a state layer")
