@@ -21,14 +21,32 @@ def granite_hybrid(root: Path) -> Path:
 
     torch.manual_seed(0)
     cfg = transformers.GraniteMoeHybridConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        layer_types=["mamba", "attention", "mamba", "mamba"], num_local_experts=4,
-        num_experts_per_tok=2, mamba_n_heads=8, mamba_d_state=16, mamba_d_conv=4,
-        mamba_expand=2, mamba_n_groups=2, mamba_chunk_size=MAMBA_CHUNK,
-        position_embedding_type="rope", embedding_multiplier=2.0, attention_multiplier=0.12,
-        residual_multiplier=0.6, logits_scaling=2.5, initializer_range=0.2,
-        max_position_embeddings=2048, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=32,
+        shared_intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "mamba"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        mamba_n_heads=8,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_n_groups=2,
+        mamba_chunk_size=MAMBA_CHUNK,
+        position_embedding_type="rope",
+        embedding_multiplier=2.0,
+        attention_multiplier=0.12,
+        residual_multiplier=0.6,
+        logits_scaling=2.5,
+        initializer_range=0.2,
+        max_position_embeddings=2048,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     model = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -44,12 +62,26 @@ def gemma3(root: Path) -> Path:
 
     torch.manual_seed(0)
     cfg = transformers.Gemma3TextConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=2048, sliding_window=SW_WINDOW,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                     "sliding_attention", "full_attention"],
-        query_pre_attn_scalar=24, initializer_range=0.05, eos_token_id=None, pad_token_id=0,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        sliding_window=SW_WINDOW,
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        query_pre_attn_scalar=24,
+        initializer_range=0.05,
+        eos_token_id=None,
+        pad_token_id=0,
         bos_token_id=2,
     )
     model = transformers.Gemma3ForCausalLM(cfg).eval()

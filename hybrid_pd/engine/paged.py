@@ -67,11 +67,7 @@ def _decode_batched(
     values = kv[:, :, 1].flatten(1, 2).to(q.dtype)
     qpos = torch.tensor(pos, device=dev)[:, None]
     kpos = torch.tensor(first, device=dev)[:, None] * bs + torch.arange(width * bs, device=dev)
-    allowed = kpos <= qpos
-    if window is not None:
-        allowed &= (qpos - kpos) < window
-    if chunk is not None:
-        allowed &= (kpos // chunk) == (qpos // chunk)
+    allowed = _visible(qpos, kpos, window, chunk)
     n, hq, d = q.shape
     hkv = keys.shape[2]
     qg = q.view(n, hkv, hq // hkv, d)
@@ -81,6 +77,16 @@ def _decode_batched(
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     probs = F.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.einsum("sgrt,stgd->sgrd", probs, values).reshape(n, hq, d)
+
+
+def _visible(qpos, kpos, window: int | None, chunk: int | None) -> torch.Tensor:
+    """Which key positions each query position may attend to (causal, window, chunk)."""
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= (qpos - kpos) < window
+    if chunk is not None:
+        allowed &= (kpos // chunk) == (qpos // chunk)
+    return allowed
 
 
 def _first_key(num_computed: int, window: int | None, chunk: int | None) -> int:
@@ -113,11 +119,7 @@ def _attend(q, keys, values, seq: SeqInfo, lo, scale, window, chunk, softcap):
     hkv = keys.shape[1]
     qpos = torch.arange(seq.num_computed, seq.num_tokens, device=q.device)[:, None]
     kpos = torch.arange(lo, seq.num_tokens, device=q.device)[None, :]
-    allowed = kpos <= qpos
-    if window is not None:
-        allowed &= (qpos - kpos) < window
-    if chunk is not None:
-        allowed &= (kpos // chunk) == (qpos // chunk)
+    allowed = _visible(qpos, kpos, window, chunk)
     keys = keys.to(q.dtype).repeat_interleave(hq // hkv, dim=1)
     values = values.to(q.dtype).repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, keys) * scale

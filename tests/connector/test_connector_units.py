@@ -19,10 +19,14 @@ from hybrid_pd.kvcache.specs import (
 
 
 def model(window: int = 32) -> ModelCacheSpec:
-    layers = {"a0": FullAttentionSpec(2, 8, "float32"), "a1": FullAttentionSpec(2, 8, "float32"),
-              "w0": SlidingWindowSpec(2, 8, "float32", window=window),
-              "s0": gdn_state_spec(num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8,
-                                   conv_kernel=4)}
+    layers = {
+        "a0": FullAttentionSpec(2, 8, "float32"),
+        "a1": FullAttentionSpec(2, 8, "float32"),
+        "w0": SlidingWindowSpec(2, 8, "float32", window=window),
+        "s0": gdn_state_spec(
+            num_k_heads=1, num_v_heads=2, head_k_dim=8, head_v_dim=8, conv_kernel=4
+        ),
+    }
     return ModelCacheSpec("Toy", layers)
 
 
@@ -76,9 +80,16 @@ class _Recorder:
 def make_connector(now):
     freed = []
     layout = KVLayout.of(plan_groups(model(), block_size=4), "m")
-    conn = PrefillConnector(engine_id="p", layout=layout, control_address="127.0.0.1:9",
-                            free_blocks=freed.append, region=lambda b, n: (b, n),
-                            transport=_Recorder(), lease_s=10.0, clock=lambda: now[0])
+    conn = PrefillConnector(
+        engine_id="p",
+        layout=layout,
+        control_address="127.0.0.1:9",
+        free_blocks=freed.append,
+        region=lambda b, n: (b, n),
+        transport=_Recorder(),
+        lease_s=10.0,
+        clock=lambda: now[0],
+    )
     return conn, freed
 
 

@@ -119,8 +119,9 @@ def test_abort_frees_blocks(loaded):
 def test_sampling_seeded_and_stops(loaded):
     engine = make_engine(loaded)
     p = prompts(1, 20, seed=5)[0]
-    hot = SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=7,
-                         ignore_eos=True)
+    hot = SamplingParams(
+        max_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=7, ignore_eos=True
+    )
     a, b = engine.generate([p, p], hot)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 16
     greedy = engine.generate([p], GREEDY)[0].token_ids

@@ -10,9 +10,7 @@ from hybrid_pd.kvcache.specs import LayerSpec, StateSpec
 
 def tiny_config(*specs: LayerSpec, block_size: int = 4, span: int = 1) -> KVCacheConfig:
     """One single-layer group per spec (layer `L<i>`); state groups spread over `span`."""
-    slots = [
-        slot_bytes_for(s, block_size, span if isinstance(s, StateSpec) else 1) for s in specs
-    ]
+    slots = [slot_bytes_for(s, block_size, span if isinstance(s, StateSpec) else 1) for s in specs]
     groups = tuple(
         KVCacheGroup(i, s, (f"L{i}",), slot, span if isinstance(s, StateSpec) else 1)
         for i, (s, slot) in enumerate(zip(specs, slots, strict=True))

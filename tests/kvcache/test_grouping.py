@@ -82,7 +82,9 @@ def test_doc_example_needs_11_blocks_for_112_tokens() -> None:
     assert_well_formed(config, doc_model())
     assert config.block_size == 16
     assert [(g.kind, len(g.layer_names)) for g in config.groups] == [
-        ("full", 10), ("sliding_window", 10), ("sliding_window", 10)
+        ("full", 10),
+        ("sliding_window", 10),
+        ("sliding_window", 10),
     ]
     assert config.page_size_bytes == 10 * FULL.page_bytes(16)
     assert [g.blocks_needed(112, 16) for g in config.groups] == [7, 2, 2]
@@ -217,8 +219,12 @@ def test_hma_off_turns_sliding_window_into_full_attention() -> None:
 
 def test_hma_off_with_state_layers_names_them() -> None:
     small = ModelCacheSpec(
-        "small", {"attn": FULL, "mamba.0": StateSpec(((4,),), ("fp32",)),
-                  "mamba.1": StateSpec(((4,),), ("fp32",))}
+        "small",
+        {
+            "attn": FULL,
+            "mamba.0": StateSpec(((4,),), ("fp32",)),
+            "mamba.1": StateSpec(((4,),), ("fp32",)),
+        },
     )
     with pytest.raises(HMAOffError) as err:
         plan_groups(small, hma=False)

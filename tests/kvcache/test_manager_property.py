@@ -31,8 +31,13 @@ from tests.kvcache.kv_checks import check
 FA = FullAttentionSpec(1, 4, "float32")
 SW = SlidingWindowSpec(1, 4, "float32", window=24)
 ST = gdn_state_spec(
-    num_k_heads=1, num_v_heads=1, head_k_dim=2, head_v_dim=2, conv_kernel=2,
-    conv_dtype="float32", ssm_dtype="float32",
+    num_k_heads=1,
+    num_v_heads=1,
+    head_k_dim=2,
+    head_v_dim=2,
+    conv_kernel=2,
+    conv_dtype="float32",
+    ssm_dtype="float32",
 )
 MODEL = ModelCacheSpec(
     "tiny3", {"f0": FA, "s0": SW, "g0": ST, "s1": SW, "f1": FA, "s2": SW, "g1": ST}
@@ -221,8 +226,13 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.free(rid)
         self._submit(list(r.tokens), len(r.tokens), True)
 
-    @rule(i=st.integers(0, 99), chunk=st.integers(1, 16), tok=st.integers(0, 2),
-          aligned=st.booleans(), run_now=st.booleans())
+    @rule(
+        i=st.integers(0, 99),
+        chunk=st.integers(1, 16),
+        tok=st.integers(0, 2),
+        aligned=st.booleans(),
+        run_now=st.booleans(),
+    )
     def append(self, i: int, chunk: int, tok: int, aligned: bool, run_now: bool) -> None:
         """A prefill chunk or a decode step (the sampled token becomes the next input)."""
         rid = self._pick(i)

@@ -74,9 +74,7 @@ def test_attention_bytes_per_token_and_page_bytes() -> None:
     assert FullAttentionSpec(1, 4, "float32").page_bytes(3) == 3 * 2 * 4 * 4
 
 
-@pytest.mark.parametrize(
-    ("heads", "dim"), [(0, 8), (8, 0), (-1, 8)]
-)
+@pytest.mark.parametrize(("heads", "dim"), [(0, 8), (8, 0), (-1, 8)])
 def test_attention_rejects_non_positive_shapes(heads: int, dim: int) -> None:
     with pytest.raises(ValueError, match="positive"):
         FullAttentionSpec(heads, dim)
@@ -145,16 +143,18 @@ def test_as_full_keeps_the_kv_shape() -> None:
 
 
 def test_gdn_state_bytes_by_hand() -> None:
-    spec = gdn_state_spec(
-        num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel=4
-    )
+    spec = gdn_state_spec(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel=4)
     conv_dim = 2 * 2 * 8 + 4 * 6  # q and k over k heads, v over v heads = 56
     assert spec.shapes == ((conv_dim, 3), (4, 8, 6))
     assert spec.dtypes == ("bfloat16", "bfloat16")
     assert spec.mamba_type == "gdn"
     assert spec.state_bytes == 56 * 3 * 2 + 4 * 8 * 6 * 2 == 720
     fp32 = gdn_state_spec(
-        num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel=4,
+        num_k_heads=2,
+        num_v_heads=4,
+        head_k_dim=8,
+        head_v_dim=6,
+        conv_kernel=4,
         ssm_dtype="float32",
     )
     assert fp32.state_bytes == 336 + 4 * 8 * 6 * 4 == 1104
@@ -169,9 +169,7 @@ def test_qwen3_next_like_gdn_state_bytes() -> None:
 
 
 def test_mamba2_state_bytes_by_hand() -> None:
-    spec = mamba2_state_spec(
-        num_heads=4, head_dim=8, state_size=16, n_groups=2, conv_kernel=4
-    )
+    spec = mamba2_state_spec(num_heads=4, head_dim=8, state_size=16, n_groups=2, conv_kernel=4)
     conv_dim = 4 * 8 + 2 * 2 * 16  # x plus B and C per group = 96
     assert spec.shapes == ((conv_dim, 3), (4, 8, 16))
     assert spec.mamba_type == "mamba2"
@@ -179,9 +177,7 @@ def test_mamba2_state_bytes_by_hand() -> None:
 
 
 def test_mamba1_state_bytes_by_hand() -> None:
-    spec = mamba1_state_spec(
-        intermediate_size=64, state_size=16, conv_kernel=4, ssm_dtype="fp32"
-    )
+    spec = mamba1_state_spec(intermediate_size=64, state_size=16, conv_kernel=4, ssm_dtype="fp32")
     assert spec.shapes == ((64, 3), (64, 16))
     assert spec.dtypes == ("bfloat16", "float32")
     assert spec.mamba_type == "mamba1"

@@ -72,7 +72,6 @@ class NetnsHosts:
 
     def close(self) -> None:
         for ns in reversed(self._created):
-            sh("ip", "netns", "pids", ns, check=False)
             pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
             for pid in pids:
                 sh("kill", "-9", pid, check=False)

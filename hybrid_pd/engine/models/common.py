@@ -72,3 +72,19 @@ class Rotary(nn.Module):
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         out = (rot.float() * cos + rotated.float() * sin).to(x.dtype)
         return torch.cat([out, rest], dim=-1)
+
+
+def copy_weight(
+    params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, arch: str, shown: str
+) -> None:
+    """Copy a checkpoint tensor into parameter `name`; `shown` is the checkpoint's own name
+    for messages. Unknown names raise KeyError, wrong shapes ValueError."""
+    param = params.get(name)
+    if param is None:
+        raise KeyError(f"{arch}: unexpected weight {shown!r}")
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"{arch}: weight {shown!r} has shape {tuple(tensor.shape)}, "
+            f"expected {tuple(param.shape)}"
+        )
+    param.copy_(tensor.to(param.dtype))

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.common import GatedMLP, RMSNorm
+from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
 from hybrid_pd.engine.paged import paged_attention
 
 SLIDING = "sliding_attention"
@@ -247,15 +247,7 @@ class Gemma3ForCausalLM(nn.Module):
                 raise KeyError(f"gemma3: unexpected weight {name!r}")
             if mapped == "lm_head.weight" and self.lm_head is None:
                 continue  # tied to the embedding
-            if mapped not in params:
-                raise KeyError(f"gemma3: unexpected weight {name!r}")
-            param = params[mapped]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"gemma3: {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
-            param.copy_(tensor.to(param.dtype))
+            copy_weight(params, mapped, tensor, "gemma3", name)
             loaded.add(mapped)
         missing = sorted(set(params) - loaded)
         if missing:

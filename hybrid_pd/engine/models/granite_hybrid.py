@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
-from hybrid_pd.engine.models.common import RMSNorm, Rotary, activation
+from hybrid_pd.engine.models.common import RMSNorm, Rotary, activation, copy_weight
 from hybrid_pd.engine.paged import paged_attention, read_state, write_state
 
 _LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -387,15 +387,7 @@ class GraniteMoeHybridForCausalLM(nn.Module):
             name = _our_name(raw)
             if name is None:
                 continue
-            if name not in params:
-                raise KeyError(f"GraniteMoeHybrid: unexpected weight {raw!r}")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"GraniteMoeHybrid: {raw!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}"
-                )
-            param.copy_(tensor.to(param.dtype))
+            copy_weight(params, name, tensor, "GraniteMoeHybrid", raw)
             loaded.add(name)
         if "lm_head.weight" not in loaded and self.settings.tie:
             self.lm_head.weight.copy_(self.model.embed_tokens.weight)
