@@ -41,6 +41,9 @@ class _Record:
     token_ids: list[int]
     hashes: list[BlockHash] = field(default_factory=list)
     num_computed: int = 0
+    #: False while the blocks hold bytes nobody computed here yet (a KV transfer into
+    #: them is pending): such blocks must never enter the prefix cache.
+    trusted: bool = True
 
     def update_hashes(self, block_size: int) -> None:
         parent = self.hashes[-1] if self.hashes else None
@@ -172,6 +175,7 @@ class KVCacheManager:
             return None
         rec = _Record(token_ids if isinstance(token_ids, list) else list(token_ids))
         rec.num_computed = num_tokens
+        rec.trusted = False
         self._records[rid] = rec
         for m in self.managers:
             m.allocate_tail(rid, num_tokens)
@@ -190,6 +194,7 @@ class KVCacheManager:
         if num_computed < rec.num_computed:
             raise ValueError("num_computed cannot go backwards; free and re-allocate instead")
         rec.num_computed = num_computed
+        rec.trusted = True
         if self.enable_caching:
             rec.update_hashes(self.block_size)
             for m in self.managers:
@@ -220,16 +225,21 @@ class KVCacheManager:
         ]
         return bool(done) and all(done)
 
-    def free(self, rid: RequestId) -> None:
+    def free(self, rid: RequestId, *, keep_cached: bool = True) -> None:
         """Free every block of the request (finish, abort, preemption). Unknown ids are
-        ignored, so freeing twice is safe."""
+        ignored, so freeing twice is safe.
+
+        With `keep_cached=False` (a failed step or transfer: pages may hold partial writes)
+        nothing new enters the prefix cache. Blocks of a transfer that was never committed
+        are always freed that way."""
         rec = self._records.pop(rid, None)
         if rec is None:
             return
-        if self.enable_caching:
+        cache = self.enable_caching and keep_cached and rec.trusted
+        if cache:
             rec.update_hashes(self.block_size)
         for m in self.managers:
-            m.free(rid, rec.hashes if self.enable_caching else [], rec.num_computed)
+            m.free(rid, rec.hashes if cache else [], rec.num_computed if cache else 0)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
