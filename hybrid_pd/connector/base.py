@@ -1,12 +1,18 @@
-"""Connector interfaces, after vLLM's KVConnectorBase_V1 roles.
+"""Connector interfaces, after vLLM's KVConnectorBase_V1 split.
 
-Scheduler side decides (what to keep, what to load); worker side moves bytes. Here one
-object per role does both halves for its worker: `PrefillConnector` keeps finished prefills'
-blocks under a lease and serves pulls; `DecodeConnector` pulls them into fresh blocks.
+    engine scheduler ──► ConnectorScheduler   decides: keep a finished prefill's blocks
+                                              (request_finished_all_groups)
+    engine step      ──► ConnectorWorker      moves bytes: start_load_kv (asynchronous),
+                                              get_finished between steps
+
+The engine receives one `KVConnector` at construction and knows the connector only through
+these two protocols; which halves are present depends on the worker's role.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 
@@ -24,6 +30,53 @@ class SupportsHMA(Protocol):
         frees them later; the dict (JSON-able) tells a decode worker how to pull them.
         """
         ...
+
+
+ConnectorScheduler = SupportsHMA
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """How one asynchronous load ended. `error` is None on success."""
+
+    request_id: str
+    error: str | None = None
+    bytes: int = 0
+    messages: int = 0
+    seconds: float = 0.0
+
+
+@runtime_checkable
+class ConnectorWorker(Protocol):
+    """Moves a request's KV into blocks the scheduler reserved for it."""
+
+    def start_load_kv(self, request_id: str, params: Any, block_ids: tuple[list[int], ...]) -> None:
+        """Begin filling `block_ids` (per group, null blocks included) with the KV that
+        `params` describes. Returns at once; the outcome is reported by `get_finished`.
+        The blocks must stay allocated until then, whatever happens to the request."""
+        ...
+
+    def get_finished(self) -> Sequence[LoadResult]:
+        """Loads that ended since the last call (each reported exactly once)."""
+        ...
+
+    def has_finished(self) -> bool:
+        """Whether `get_finished` has something to report (cheap, any thread)."""
+        ...
+
+    def keep_alive(self, params: Sequence[Any]) -> None:
+        """Requests still waiting for blocks: keep their KV alive at the source (best
+        effort, asynchronous)."""
+        ...
+
+
+@dataclass(frozen=True)
+class KVConnector:
+    """The halves an engine uses: `scheduler` on prefill workers (keeps finished
+    prefills' KV for a decode worker), `worker` on decode workers (pulls it)."""
+
+    scheduler: ConnectorScheduler | None = None
+    worker: ConnectorWorker | None = None
 
 
 class TransferFailed(RuntimeError):

@@ -1,13 +1,21 @@
-"""gRPC control plane: KVControl server on every worker, and the decode side's client.
+"""gRPC control plane: the server every worker runs (grpc.aio), the KVControl service, and
+the decode side's client helpers.
 
-Protobuf objects are converted here, at the edge; nothing inward sees them.
+No thread is held per open call: open Generate streams are coroutines waiting on queues, so
+Health, Stats and the KV control calls that free blocks are answered however many streams are
+open. Blocking work (UCX sends) runs in an executor, never on the event loop. Protobuf objects
+are converted here, at the edge; nothing inward sees them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-from concurrent import futures
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
@@ -52,39 +60,81 @@ def layout_from_pb(msg: pb.Layout) -> KVLayout:
     )
 
 
-class SecretInterceptor(grpc.ServerInterceptor):
+class SecretInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without the shared secret (logged, never served)."""
 
     def __init__(self, secret: str) -> None:
         self._secret = secret.encode()
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong shared secret")
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong shared secret")
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong shared secret")
+            yield  # never reached: abort raises
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         given = dict(handler_call_details.invocation_metadata or ()).get(SECRET_HEADER, "")
+        if isinstance(given, bytes):
+            given = given.decode(errors="replace")
         if hmac.compare_digest(given.encode(), self._secret):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         logger.warning("rejected %s: missing or wrong shared secret", handler_call_details.method)
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is not None and handler.response_streaming:
             return self._deny_stream
         return self._deny
 
 
-def make_server(
-    address: str, secret: str | None = None, workers: int = 8
-) -> tuple[grpc.Server, int]:
-    """A gRPC server bound to `address` ("127.0.0.1:0" picks a port); returns (server, port)."""
-    interceptors = [SecretInterceptor(secret)] if secret else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), interceptors=interceptors)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind gRPC server to {address}")
-    return server, port
+class AioServer:
+    """grpc.aio server bound to `address` ("127.0.0.1:0" picks a port), served by an event
+    loop on a thread of its own. `add(register)` installs servicers before `start`."""
+
+    def __init__(self, address: str, secret: str | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve_loop, name="grpc-aio", daemon=True)
+        self._thread.start()
+        self.server, self.port = self.run(self._make(address, secret))
+
+    def _serve_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _make(self, address: str, secret: str | None) -> tuple[grpc.aio.Server, int]:
+        interceptors = [SecretInterceptor(secret)] if secret else []
+        server = grpc.aio.server(interceptors=interceptors)
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot bind gRPC server to {address}")
+        return server, port
+
+    def run(self, coro: Awaitable[Any], timeout: float | None = 30.0) -> Any:
+        """Run a coroutine on the server's loop from another thread and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def add(self, register: Callable[[grpc.aio.Server], None]) -> None:
+        async def do() -> None:
+            register(self.server)
+
+        self.run(do())
+
+    def start(self) -> None:
+        self.run(self.server.start())
+
+    def stop(self, grace: float = 1.0) -> None:
+        if not self.loop.is_running():
+            return
+        try:
+            self.run(self.server.stop(grace), timeout=grace + 10)
+        except Exception:  # already stopped, or the loop is wedged: stop the loop anyway
+            logger.exception("gRPC server stop failed")
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
 
 
 def call_metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
@@ -92,15 +142,23 @@ def call_metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class KVControlServicer(pb_grpc.KVControlServicer):
-    """Serves a worker's layout and, on prefill workers, its kept KV."""
+    """Serves a worker's layout and, on prefill workers, its kept KV (async handlers)."""
 
-    def __init__(self, engine_id: str, layout: KVLayout, ucx_address: bytes, prefill=None) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        layout: KVLayout,
+        ucx_address: bytes,
+        prefill=None,
+        max_parallel_sends: int = 16,
+    ) -> None:
         self.engine_id = engine_id
         self.layout = layout
         self.ucx_address = ucx_address
         self.prefill = prefill  # PrefillConnector or None
+        self._sends = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
 
-    def Handshake(self, request, context):
+    async def Handshake(self, request, context):
         diff = self.layout.difference(layout_from_pb(request.layout))
         if diff:
             logger.warning("refused handshake from %s: %s", request.engine_id, diff)
@@ -112,43 +170,48 @@ class KVControlServicer(pb_grpc.KVControlServicer):
             ucx_address=self.ucx_address,
         )
 
-    def _need_prefill(self, context):
+    async def _need_prefill(self, context):
         if self.prefill is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker keeps no KV")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker keeps no KV")
 
-    def PullKV(self, request, context):
-        self._need_prefill(context)
+    async def PullKV(self, request, context):
+        await self._need_prefill(context)
+        remaining = context.time_remaining()
+        timeout = max(1.0, (remaining if remaining is not None else 30.0) - 0.5)
         try:
-            res = self.prefill.pull(
-                request.request_id,
-                request.transfer_token,
-                [list(g.ids) for g in request.dst_blocks],
-                request.ucx_address,
-                request.tag,
-                timeout=max(1.0, (context.time_remaining() or 30.0) - 0.5),
+            res = await asyncio.get_running_loop().run_in_executor(
+                self._sends,
+                lambda: self.prefill.pull(
+                    request.request_id,
+                    request.transfer_token,
+                    [list(g.ids) for g in request.dst_blocks],
+                    request.ucx_address,
+                    request.tag,
+                    timeout=timeout,
+                ),
             )
         except Exception as e:  # reported to the caller; the lease stays until released
             logger.warning("pull of %s failed: %s", request.request_id, e)
             return pb.PullReply(ok=False, error=str(e))
         return pb.PullReply(ok=True, bytes=res.bytes, messages=res.messages)
 
-    def Release(self, request, context):
-        self._need_prefill(context)
+    async def Release(self, request, context):
+        await self._need_prefill(context)
         try:
             self.prefill.release(request.request_id, request.transfer_token)
         except TransferFailed as e:
             return pb.ReleaseReply(ok=False, error=str(e))
         return pb.ReleaseReply(ok=True)
 
-    def Heartbeat(self, request, context):
-        self._need_prefill(context)
+    async def Heartbeat(self, request, context):
+        await self._need_prefill(context)
         unknown = self.prefill.heartbeat(
             list(zip(request.request_ids, request.transfer_tokens, strict=True))
         )
         return pb.HeartbeatReply(unknown_request_ids=unknown, lease_seconds=self.prefill.lease_s)
 
-    def Abort(self, request, context):
-        self._need_prefill(context)
+    async def Abort(self, request, context):
+        await self._need_prefill(context)
         try:
             self.prefill.release(request.request_id, request.transfer_token, reason="aborted")
         except TransferFailed:

@@ -1,4 +1,8 @@
-"""Decode side: pull a handed-over request's KV into freshly allocated blocks.
+"""Decode side: pull a handed-over request's KV into blocks the scheduler reserved.
+
+The engine's scheduler allocates the blocks in turn and calls `start_load_kv`; the pull runs
+on this connector's own threads and its end is reported through `get_finished` between steps
+(the connector's worker side, after vLLM's KVConnectorBase_V1):
 
 handshake (once per prefill worker: layouts must match)
 post UCX receives straight into the destination runs
@@ -12,12 +16,13 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
 
-from hybrid_pd.connector.base import TransferFailed
+from hybrid_pd.connector.base import LoadResult, TransferFailed
 from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.params import KVTransferParams
@@ -54,6 +59,7 @@ class DecodeConnector:
         region: Callable[[int, int], object],
         secret: str | None = None,
         timeout_s: float = 30.0,
+        max_parallel_pulls: int = 8,
     ) -> None:
         self.engine_id = engine_id
         self.layout = layout
@@ -67,6 +73,49 @@ class DecodeConnector:
         self._tag_base = secrets.randbits(24) << 40
         self._counter = itertools.count()
         self.stats: dict = {"pulls": 0, "failed": 0, "bytes": 0, "messages": 0, "last_error": ""}
+        #: Called (from a pull thread) when a load ended: the engine loop's `wake`.
+        self.notify: Callable[[], None] = lambda: None
+        self._pulls = ThreadPoolExecutor(max_parallel_pulls, thread_name_prefix="kv-pull")
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="kv-control")
+        self._finished: list[LoadResult] = []
+
+    # -- worker side (ConnectorWorker) ------------------------------------------------------
+    def start_load_kv(
+        self, request_id: str, params: KVTransferParams, block_ids: tuple[list[int], ...]
+    ) -> None:
+        self._pulls.submit(self._load, request_id, params, block_ids)
+
+    def _load(self, request_id: str, params: KVTransferParams, block_ids) -> None:
+        try:
+            st = self.pull(params, block_ids)
+            res = LoadResult(request_id, None, st.bytes, st.messages, st.seconds)
+        except TransferFailed as e:
+            res = LoadResult(request_id, str(e))
+        except Exception as e:  # never lose a load: the engine must hear that it ended
+            logger.exception("KV pull for %s failed", request_id)
+            res = LoadResult(request_id, f"{type(e).__name__}: {e}")
+        if res.error is not None:
+            self.stats["last_error"] = res.error
+            logger.warning("KV pull for %s failed: %s", request_id, res.error)
+        with self._lock:
+            self._finished.append(res)
+        self.notify()
+
+    def get_finished(self) -> list[LoadResult]:
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def has_finished(self) -> bool:
+        return bool(self._finished)
+
+    def keep_alive(self, params: Sequence[KVTransferParams]) -> None:
+        if params:
+            self._control.submit(self.heartbeat, list(params))
+
+    def abort_later(self, params: KVTransferParams) -> None:
+        """`abort` on the control thread (the request was dropped before its pull)."""
+        self._control.submit(self.abort, params)
 
     def _peer(self, address: str) -> _Peer:
         with self._lock:
@@ -210,6 +259,8 @@ class DecodeConnector:
         return lost
 
     def close(self) -> None:
+        self._pulls.shutdown(wait=True, cancel_futures=True)
+        self._control.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             peers = list(self._peers.values())
             self._peers.clear()

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hybrid_pd.connector.control import KVControlServicer, make_server
+from hybrid_pd.connector.control import AioServer, KVControlServicer
 from hybrid_pd.connector.decode import DecodeConnector
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.params import KVTransferParams
@@ -62,7 +62,8 @@ def _prefill_child(conn, model: str, max_len: int, ucx: dict) -> None:
     pool.view(-1)[::4096].fill_(7)  # touch the pages
     transport = UcxTransport(ucx_options=ucx)
     transport.start()
-    server, port = make_server("127.0.0.1:0")
+    server = AioServer("127.0.0.1:0")
+    port = server.port
     layout = KVLayout.of(config, model)
     conn_ = PrefillConnector(
         engine_id="bench-prefill",
@@ -72,9 +73,8 @@ def _prefill_child(conn, model: str, max_len: int, ucx: dict) -> None:
         region=lambda b, k: pool[b : b + k],
         transport=transport,
     )
-    kv_control_pb2_grpc.add_KVControlServicer_to_server(
-        KVControlServicer("bench-prefill", layout, transport.address, conn_), server
-    )
+    servicer = KVControlServicer("bench-prefill", layout, transport.address, conn_)
+    server.add(lambda s: kv_control_pb2_grpc.add_KVControlServicer_to_server(servicer, s))
     server.start()
     conn.send(("ready", transport.address))
     try:
@@ -107,7 +107,7 @@ def _prefill_child(conn, model: str, max_len: int, ucx: dict) -> None:
             else:
                 break
     finally:
-        server.stop(0)
+        server.stop(0.0)
         transport.close()
 
 

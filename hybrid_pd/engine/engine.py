@@ -6,13 +6,16 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from hybrid_pd.connector.base import KVConnector
 from hybrid_pd.engine.batch import make_batch
 from hybrid_pd.engine.request import Request, Status
 from hybrid_pd.engine.sampling import SamplingParams, make_generator, sample
 from hybrid_pd.engine.scheduler import Scheduler, SchedulerConfig
+from hybrid_pd.kvcache.config import KVCacheConfig
 from hybrid_pd.kvcache.grouping import plan_groups
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.ids import RequestId
@@ -43,26 +46,36 @@ class RequestOutput:
     num_cached_tokens: int = 0
     text: str | None = None
     kv_transfer_params: dict | None = None
+    #: Decode role: how the prompt's KV arrived (connector.base.LoadResult), or None.
+    load_result: Any = None
+    #: Decode role: the load failed and the prompt was computed here instead.
+    recomputed: bool = False
+    #: Set when the request failed (finish_reason "error").
+    error: str | None = None
 
 
 class Engine:
     """Runs one model on one device. Not thread-safe: drive it from one thread."""
 
     def __init__(
-        self, model, hf_config: dict, config: EngineConfig, tokenizer=None, connector=None
+        self,
+        model,
+        hf_config: dict,
+        config: EngineConfig,
+        tokenizer=None,
+        connector: KVConnector | None = None,
     ) -> None:
-        """`connector` (prefill role) implements `request_finished_all_groups`; requests added
-        with `remote_decode=True` stop after their first token and hand their KV to it."""
+        """`connector.scheduler` (prefill role): requests added with `remote_decode=True`
+        stop after their first token and hand their KV to it. `connector.worker` (decode
+        role): requests added with `remote_kv` get their prompt's KV loaded through it."""
         self.model = model
-        self.connector = connector
+        self.connector = connector or KVConnector()
         self.tokenizer = tokenizer
         self.config = config
         param = next(model.parameters())
         self.device = param.device
-        spec = cache_spec_from_config(hf_config, dtype=config.kv_dtype or _dtype_name(param))
-        max_len = config.max_model_len or min(spec.max_model_len or 4096, 32768)
+        self.kv_config, max_len = plan_kv_cache(model, hf_config, config)
         self.max_model_len = max_len
-        self.kv_config = plan_groups(spec, block_size=config.block_size, ref_len=max_len)
         num_blocks = num_blocks_for_memory(self.kv_config, config.kv_memory_bytes)
         self.kv = KVCacheManager(self.kv_config, num_blocks, config.enable_prefix_caching)
         self.pool = KVPool(self.kv_config, num_blocks, device=self.device)
@@ -74,6 +87,8 @@ class Engine:
         self.vocab_size = int((hf_config.get("text_config") or hf_config)["vocab_size"])
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
+        #: Steps that changed something (ran the model, started or ended a load).
+        self.num_steps_with_work = 0
 
     # -- request API ------------------------------------------------------------------------
     def add_request(
@@ -84,15 +99,30 @@ class Engine:
         *,
         remote_decode: bool = False,
         output_ids: Sequence[int] = (),
+        remote_kv: Any = None,
+        on_load_failure: str = "recompute",
     ) -> str:
         """Queue a request; raises ValueError (and queues nothing) if it can never run.
 
-        `output_ids`: tokens already generated elsewhere (e.g. the first token sampled by a
-        prefill worker); they are recomputed with the prompt and count toward max_tokens.
+        `output_ids`: tokens already generated elsewhere (the first token sampled by a
+        prefill worker, or a migrated stream's tokens); they count toward max_tokens.
+        Without `remote_kv` they are recomputed with the prompt. With `remote_kv` (decode
+        role) the prompt's KV is loaded through the connector's worker side when the
+        request's turn comes, and decoding continues after `output_ids` (the first token);
+        if the load fails, `on_load_failure` says whether to recompute or fail.
         """
         req = self._new_request(prompt_ids, params, request_id, output_ids)
-        if remote_decode and self.connector is None:
-            raise ValueError("remote_decode needs an engine with a connector")
+        if remote_decode and self.connector.scheduler is None:
+            raise ValueError("remote_decode needs an engine with a prefill connector")
+        if remote_kv is not None:
+            if self.connector.worker is None:
+                raise ValueError("remote KV needs an engine with a decode connector")
+            if len(output_ids) != 1:
+                raise ValueError("a request with remote KV starts from exactly one token")
+            if on_load_failure not in ("recompute", "fail"):
+                raise ValueError("failure policy must be 'recompute' or 'fail'")
+            req.remote_kv = remote_kv
+            req.on_load_failure = on_load_failure
         req.remote_decode = remote_decode
         self.scheduler.add(req)
         self.requests[req.request_id] = req
@@ -120,53 +150,50 @@ class Engine:
         req.generator = make_generator(params, self.device)
         return req
 
-    # -- KV received from a prefill worker (decode role) ------------------------------------
-    def reserve_remote(
-        self,
-        request_id: str,
-        prompt_ids: Sequence[int],
-        first_token: int,
-        params: SamplingParams,
-    ) -> tuple[Request, tuple[list[int], ...]] | None:
-        """Allocate blocks for a request whose prompt KV will arrive from a prefill worker.
-        Returns (request, per-group block ids to fill) or None when the pool is short now.
-        Follow with `activate_remote` once the bytes are in place, or `cancel_remote`."""
-        req = self._new_request(prompt_ids, params, request_id, [first_token])
-        ids = self.kv.allocate_external(RequestId(req.request_id), req.all_ids, len(req.prompt_ids))
-        if ids is None:
-            return None
-        req.num_computed = len(req.prompt_ids)
-        self.requests[req.request_id] = req
-        return req, ids
-
-    def activate_remote(self, req: Request) -> None:
-        """The KV of the prompt is in place: start decoding from prompt + first token."""
-        self.kv.commit_computed(RequestId(req.request_id), req.num_computed)
-        self.scheduler.add_running(req)
-
-    def cancel_remote(self, req: Request) -> None:
-        self.kv.free(RequestId(req.request_id))
-        self.requests.pop(req.request_id, None)
-
     def free_request_blocks(self, request_id: str) -> None:
         """Free blocks a connector kept for a handed-over request (safe to call twice)."""
         self.kv.free(RequestId(request_id))
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is; returns it (None when unknown or finished)."""
         req = self.scheduler.abort(request_id)
         self.requests.pop(request_id, None)
-        return req is not None
+        return req
+
+    def fail_all(self) -> list[str]:
+        """A step raised: drop every request it may have touched, caching nothing their
+        pages hold (a state page may be half advanced). Returns their ids."""
+        failed = list(self.requests)
+        for rid in failed:
+            self.scheduler.abort(rid, keep_cached=False)
+            self.requests.pop(rid)
+        return failed
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def can_step(self) -> bool:
+        """Whether a step may make progress now (else wait for a load, a new request, or
+        blocks freed elsewhere)."""
+        return self.scheduler.can_schedule or self._loads_ended()
+
+    def _loads_ended(self) -> bool:
+        worker = self.connector.worker
+        return worker is not None and worker.has_finished()
+
     # -- the loop ---------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample; returns outputs of requests that got a token."""
+        """Take ended KV loads, schedule, start new loads, run the model once, sample.
+        Returns outputs of requests that got a token or finished (a failed load)."""
+        ended, outputs = self._take_finished_loads()
         sched = self.scheduler.schedule()
+        for req, ids in sched.loads:
+            self.connector.worker.start_load_kv(req.request_id, req.remote_kv, ids)
+        if ended or sched.loads or sched.seqs or sched.preempted:
+            self.num_steps_with_work += 1
         if not sched.seqs:
-            return []
+            return outputs
         self.pool.copy_blocks([(int(s), int(d)) for s, d in sched.copies])
         for seq in sched.seqs:
             self.kv.finish_state_copies(RequestId(seq.request.request_id))
@@ -192,7 +219,6 @@ class Engine:
             tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         for seq in sched.seqs:
             self.scheduler.commit(seq)
-        outputs = []
         for i, token in zip(sampling, tokens, strict=True):
             req = sched.seqs[i].request
             req.append_token(token)
@@ -209,11 +235,32 @@ class Engine:
         """Prefill role: the first token is sampled; keep the KV for a decode worker."""
         rid = RequestId(req.request_id)
         self.kv.release_out_of_window(rid)
-        keep, params = self.connector.request_finished_all_groups(req, self.kv.block_ids(rid))
+        keep, params = self.connector.scheduler.request_finished_all_groups(
+            req, self.kv.block_ids(rid)
+        )
         req.finish_reason = "remote_decode"
         req.kv_transfer_params = params
         self.scheduler.finish(req, free_blocks=not keep)
         self.requests.pop(req.request_id, None)
+
+    def _take_finished_loads(self) -> tuple[int, list[RequestOutput]]:
+        """Apply ended loads; returns how many ended and the outputs of requests that
+        finished because of it (failed under policy "fail")."""
+        worker = self.connector.worker
+        if worker is None:
+            return 0, []
+        outputs = []
+        results = worker.get_finished()
+        for res in results:
+            req = self.scheduler.receiving.get(res.request_id)
+            if req is not None:
+                req.load_result = res
+            done = self.scheduler.finish_load(res.request_id, res.error)
+            if done is not None:
+                self.requests.pop(done.request_id, None)
+                if done.finish_reason == "error":
+                    outputs.append(self._output(done))
+        return len(results), outputs
 
     def _check_stop_strings(self, req: Request) -> None:
         if not req.params.stop or self.tokenizer is None or req.finish_reason:
@@ -239,6 +286,9 @@ class Engine:
             req.num_cached_tokens,
             text,
             req.kv_transfer_params,
+            req.load_result,
+            req.recomputed,
+            req.error,
         )
 
     def generate(
@@ -259,6 +309,15 @@ class Engine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[r] for r in rids]
+
+
+def plan_kv_cache(model, hf_config: dict, config: EngineConfig) -> tuple[KVCacheConfig, int]:
+    """The KV cache groups an engine of `model` will use, and its maximum length (a
+    worker needs them for its connector before the engine exists)."""
+    param = next(model.parameters())
+    spec = cache_spec_from_config(hf_config, dtype=config.kv_dtype or _dtype_name(param))
+    max_len = config.max_model_len or min(spec.max_model_len or 4096, 32768)
+    return plan_groups(spec, block_size=config.block_size, ref_len=max_len), max_len
 
 
 def _dtype_name(param: torch.Tensor) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -12,6 +13,8 @@ from hybrid_pd.engine.sampling import SamplingParams
 
 class Status(enum.Enum):
     WAITING = "waiting"
+    #: Blocks allocated, the prompt's KV is being pulled from a prefill worker.
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -35,6 +38,14 @@ class Request:
     remote_decode: bool = False
     #: Set when the KV was handed over: what the decode worker needs to pull it.
     kv_transfer_params: dict | None = None
+    #: Decode role: where the prompt's KV comes from (opaque to the engine, handed to the
+    #: connector's worker side). None once loaded, or when the request computes its prompt.
+    remote_kv: Any = None
+    #: What to do when that load fails: "recompute" the prompt here, or "fail".
+    on_load_failure: str = "recompute"
+    #: How the load went (connector.base.LoadResult), and whether it fell back to recompute.
+    load_result: Any = None
+    recomputed: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_ids:

@@ -5,6 +5,11 @@ the next prefill chunk), then waiting requests in arrival order. When the pool c
 a running request's next tokens, the most recently admitted request is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed (prompt + outputs so
 far, so greedy output is unchanged).
+
+A request whose prompt KV comes from a prefill worker (`request.remote_kv`) waits in the same
+queue. At its turn it gets only the blocks later steps read (`allocate_external`) and moves to
+`receiving` (WAITING_FOR_REMOTE_KV) while the connector fills them; `finish_load` then admits
+it to `running`, or applies its failure policy (recompute the prompt here, or fail).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    #: Requests that got blocks for their remote KV this step: the connector loads them.
+    loads: list[tuple[Request, BlockIds]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -64,11 +71,20 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        #: Blocks allocated, KV arriving (request id -> request). An aborted request stays
+        #: here until its load ends: the connector may still be writing into its blocks.
+        self.receiving: dict[str, Request] = {}
         self._has_state = any(g.is_state for g in kv.config.groups)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.receiving)
+
+    @property
+    def can_schedule(self) -> bool:
+        """Whether `schedule` may do anything now (otherwise only a load ending, a new
+        request or freed blocks change the picture)."""
+        return bool(self.running or self.waiting)
 
     def check_fits(self, prompt_len: int, max_tokens: int) -> None:
         """Raise ValueError if a request can never run (too long, or larger than the pool)."""
@@ -92,8 +108,9 @@ class Scheduler:
         self.check_fits(len(request.prompt_ids), request.params.max_tokens)
         self.waiting.append(request)
 
-    def abort(self, rid: str) -> Request | None:
-        """Remove a request wherever it is and free its blocks."""
+    def abort(self, rid: str, keep_cached: bool = True) -> Request | None:
+        """Remove a request wherever it is and free its blocks (`keep_cached=False`: put
+        nothing they hold into the prefix cache)."""
         for req in list(self.waiting):
             if req.request_id == rid:
                 self.waiting.remove(req)
@@ -102,9 +119,46 @@ class Scheduler:
         for req in self.running:
             if req.request_id == rid:
                 self.running.remove(req)
-                self._finish(req, "abort")
+                self._finish(req, "abort", keep_cached=keep_cached)
                 return req
+        req = self.receiving.get(rid)
+        if req is not None and not req.finished:
+            # Its blocks are freed when the load ends (`finish_load`), never while written.
+            req.status = Status.FINISHED
+            req.finish_reason = "abort"
+            return req
         return None
+
+    def finish_load(self, rid: str, error: str | None) -> Request | None:
+        """A remote KV load ended. Success: the request runs from prompt + first token.
+        Failure: its blocks are freed without caching anything they hold, then the request
+        is recomputed from its prompt (ahead of the queue) or finished with `error`.
+        Returns the request when it finished here (failed, or aborted meanwhile)."""
+        req = self.receiving.pop(rid, None)
+        if req is None:
+            return None
+        if req.finished:  # aborted while loading
+            self.kv.free(RequestId(rid), keep_cached=False)
+            return req
+        if error is None:
+            self.kv.commit_computed(RequestId(rid), req.num_computed)
+            req.remote_kv = None
+            req.status = Status.RUNNING
+            self.running.append(req)
+            return None
+        self.kv.free(RequestId(rid), keep_cached=False)
+        req.remote_kv = None
+        req.num_computed = 0
+        if req.on_load_failure == "recompute":
+            req.recomputed = True
+            req.status = Status.WAITING
+            self.waiting.appendleft(req)
+            logger.warning("KV load of %s failed (%s): recomputing its prompt", rid, error)
+            return None
+        req.status = Status.FINISHED
+        req.finish_reason = "error"
+        req.error = f"KV transfer failed: {error}"
+        return req
 
     def add_running(self, request: Request) -> None:
         """Admit a request whose blocks are already allocated and filled (KV received)."""
@@ -118,11 +172,13 @@ class Scheduler:
             self.running.remove(req)
         self._finish(req, req.finish_reason or "stop", free_blocks)
 
-    def _finish(self, req: Request, reason: str, free_blocks: bool = True) -> None:
+    def _finish(
+        self, req: Request, reason: str, free_blocks: bool = True, keep_cached: bool = True
+    ) -> None:
         req.status = Status.FINISHED
         req.finish_reason = req.finish_reason or reason
         if free_blocks:
-            self.kv.free(RequestId(req.request_id))
+            self.kv.free(RequestId(req.request_id), keep_cached=keep_cached)
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_uncomputed, budget)
@@ -173,10 +229,20 @@ class Scheduler:
             not out.preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) + len(self.receiving) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
             rid = RequestId(req.request_id)
+            if req.remote_kv is not None:  # blocks in turn; the connector fills them
+                ids = self.kv.allocate_external(rid, req.all_ids, len(req.prompt_ids))
+                if ids is None:
+                    break
+                self.waiting.popleft()
+                req.status = Status.WAITING_FOR_REMOTE_KV
+                req.num_computed = len(req.prompt_ids)
+                self.receiving[req.request_id] = req
+                out.loads.append((req, ids))
+                continue
             hit = self.kv.find_prefix_hit(req.all_ids)
             req.num_computed = hit.num_tokens
             n = self._chunk(req, budget)

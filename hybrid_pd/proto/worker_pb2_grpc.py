@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=hybrid__pd_dot_proto_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Health = channel.unary_unary(
+                '/hybridpd.worker.Worker/Health',
+                request_serializer=hybrid__pd_dot_proto_dot_worker__pb2.HealthRequest.SerializeToString,
+                response_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.HealthReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -80,7 +85,15 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Load and KV headroom, from a snapshot the engine publishes (never waits for a step).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Health(self, request, context):
+        """Liveness: answered by the RPC layer alone, however busy the engine is.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -107,6 +120,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=hybrid__pd_dot_proto_dot_worker__pb2.StatsReply.SerializeToString,
+            ),
+            'Health': grpc.unary_unary_rpc_method_handler(
+                    servicer.Health,
+                    request_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.HealthRequest.FromString,
+                    response_serializer=hybrid__pd_dot_proto_dot_worker__pb2.HealthReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +235,33 @@ class Worker:
             '/hybridpd.worker.Worker/Stats',
             hybrid__pd_dot_proto_dot_worker__pb2.StatsRequest.SerializeToString,
             hybrid__pd_dot_proto_dot_worker__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Health(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridpd.worker.Worker/Health',
+            hybrid__pd_dot_proto_dot_worker__pb2.HealthRequest.SerializeToString,
+            hybrid__pd_dot_proto_dot_worker__pb2.HealthReply.FromString,
             options,
             channel_credentials,
             insecure,

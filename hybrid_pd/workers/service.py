@@ -1,24 +1,26 @@
-"""The Worker gRPC service: Prefill (prefill role), Generate (decode role or local), Abort."""
+"""The Worker gRPC service (async): Prefill, Generate, Abort, Stats, Health.
+
+Handlers never wait for the engine: they post work to the engine loop and await the
+request's outputs on an asyncio queue. Requests admitted and still waiting for their first
+token are bounded per worker (`max_queued`); past it a call fails fast with
+RESOURCE_EXHAUSTED, which the proxy answers by holding the request or trying elsewhere.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import time
 
 import grpc
 
-from hybrid_pd.connector.base import TransferFailed
-from hybrid_pd.connector.params import KVTransferParams
-from hybrid_pd.engine.loop import RequestFailed, next_output
+from hybrid_pd.engine.engine import RequestOutput
+from hybrid_pd.engine.loop import RequestFailed
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
-
-#: While decode waits for free blocks, it extends the prefill lease this often.
-HEARTBEAT_S = 5.0
 
 
 def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
@@ -48,27 +50,99 @@ def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
     )
 
 
+class RequestStream:
+    """One request in the engine, seen from the event loop: its outputs on a queue."""
+
+    def __init__(self, worker) -> None:
+        self.w = worker
+        self.queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(item) -> None:  # engine thread
+            try:
+                loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            except RuntimeError:  # the server's loop is closed: nobody listens any more
+                pass
+
+        self.sink = sink
+        self.request_id: str | None = None
+        self.finished = False
+        self.queued = False
+
+    async def open(self, *args, **kwargs) -> str:
+        """Add the request (ValueError: refused, nothing queued)."""
+        fut = self.w.loop.submit(*args, sink=self.sink, **kwargs)
+        self.request_id = await asyncio.wrap_future(fut)
+        self.queued = True
+        self.w.queued += 1
+        return self.request_id
+
+    async def next(self, timeout: float) -> RequestOutput:
+        try:
+            item = await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            raise RequestFailed(f"no output within {timeout:.0f} s") from None
+        self._unqueue()
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def _unqueue(self) -> None:
+        if self.queued:
+            self.queued = False
+            self.w.queued -= 1
+
+    def close(self) -> None:
+        """Drop the request from the engine unless it finished (client gone, error)."""
+        self._unqueue()
+        if self.request_id is not None and not self.finished:
+            self.finished = True
+            fut = self.w.loop.abort(self.request_id)
+            if self.w.decode is not None:
+                fut.add_done_callback(
+                    lambda f: f.exception() is None and self.w.decode.dropped(f.result())
+                )
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, worker) -> None:
         self.w = worker
 
-    # -- prefill ----------------------------------------------------------------------------
-    def Prefill(self, request, context):
-        if self.w.prefill is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a prefill worker")
-        try:
-            params = sampling_from_pb(request.sampling)
-            rid, q = self.w.loop.submit(
-                list(request.prompt_ids), params, request.request_id or None, remote_decode=True
+    async def _open(self, context, *args, **kwargs) -> RequestStream:
+        if self.w.queued >= self.w.config.max_queued:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"worker queue is full ({self.w.config.max_queued} requests waiting)",
             )
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        context.add_callback(lambda: self._abort_if_pending(rid, q))
+        stream = RequestStream(self.w)
         try:
-            out = next_output(q, self.w.config.request_timeout_s)
+            await stream.open(*args, **kwargs)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RuntimeError as e:  # the loop is stopping
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return stream
+
+    # -- prefill ----------------------------------------------------------------------------
+    async def Prefill(self, request, context):
+        if self.w.prefill is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a prefill worker")
+        params = await _sampling(request.sampling, context)
+        stream = await self._open(
+            context,
+            list(request.prompt_ids),
+            params,
+            request.request_id or None,
+            remote_decode=True,
+        )
+        try:
+            out = await stream.next(self.w.config.request_timeout_s)
         except RequestFailed as e:
-            self.w.loop.abort(rid)
-            context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e}")
+            await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e}")
+        finally:
+            stream.close()
         kv = out.kv_transfer_params
         return pb.PrefillReply(
             first_token=out.token_ids[0],
@@ -77,106 +151,95 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv_transfer_params_json=json.dumps(kv) if kv else "",
         )
 
-    def _abort_if_pending(self, rid: str, q) -> None:
-        # Client went away before the first token: drop the request (no-op when finished).
-        self.w.loop.abort(rid)
-
     # -- generate ---------------------------------------------------------------------------
-    def Generate(self, request, context):
-        try:
-            params = sampling_from_pb(request.sampling)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    async def Generate(self, request, context):
+        params = await _sampling(request.sampling, context)
         prompt = list(request.prompt_ids)
         rid = request.request_id or None
-        transfer = pb.TransferStats()
-        try:
-            if request.kv_transfer_params_json:
-                if self.w.decode is None:
-                    context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
-                rid, q, transfer = self._start_remote(request, prompt, params, rid)
-            else:
-                rid, q = self.w.loop.submit(prompt, params, rid)
-        except (ValueError, TransferFailed) as e:
-            code = (
-                grpc.StatusCode.INVALID_ARGUMENT
-                if isinstance(e, ValueError)
-                else grpc.StatusCode.UNAVAILABLE
-            )
-            context.abort(code, str(e))
-        context.add_callback(lambda: self.w.loop.abort(rid))
-        sent = 0
-        first = True
-        while True:
+        kwargs: dict = {}
+        if request.kv_transfer_params_json:
+            if self.w.decode is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+            if request.output_ids:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "output_ids and kv_transfer_params exclude each other",
+                )
             try:
-                out = next_output(q, self.w.config.request_timeout_s)
-            except RequestFailed as e:
-                yield pb.GenerateChunk(finished=True, finish_reason="error", error=str(e))
-                return
-            new = out.token_ids[sent:]
-            sent = len(out.token_ids)
-            chunk = pb.GenerateChunk(
-                token_ids=new, finished=out.finished, finish_reason=out.finish_reason or ""
-            )
-            if first:
-                chunk.transfer.CopyFrom(transfer)
-                first = False
-            yield chunk
-            if out.finished:
-                return
-
-    def _start_remote(self, request, prompt, params, rid):
-        """Reserve blocks, pull the KV, admit the request; apply the failure policy."""
-        kv = KVTransferParams.from_dict(json.loads(request.kv_transfer_params_json))
-        if kv.prompt_len != len(prompt):
-            raise ValueError(
-                f"kv_transfer_params.prompt_len is {kv.prompt_len} but the prompt "
-                f"has {len(prompt)} tokens"
-            )
-        rid = rid or kv.request_id
-        policy = request.failure_policy or self.w.config.failure_policy
-        if policy not in ("recompute", "fail"):
-            raise ValueError("failure_policy must be 'recompute' or 'fail'")
-        engine = self.w.engine
-        deadline = time.monotonic() + self.w.config.transfer_timeout_s
-        next_beat = time.monotonic() + HEARTBEAT_S
-        while (
-            res := self.w.loop.call(engine.reserve_remote, rid, prompt, kv.first_token, params)
-        ) is None:
-            now = time.monotonic()
-            if now > deadline:  # the pool stayed full: give the KV back, maybe recompute
-                self.w.decode.abort(kv)
-                if policy == "fail":
-                    raise TransferFailed("decode worker has no free KV blocks for this request")
-                rid, q = self.w.loop.submit(prompt, params, rid, output_ids=[kv.first_token])
-                return rid, q, pb.TransferStats(recomputed=True)
-            if now > next_beat:  # keep the prefill worker's lease alive while we wait
-                self.w.decode.heartbeat([kv])
-                next_beat = now + HEARTBEAT_S
-            time.sleep(0.01)
-        req, block_ids = res
+                kv_rid, kwargs = self.w.decode.request_kwargs(
+                    json.loads(request.kv_transfer_params_json), prompt, request.failure_policy
+                )
+            except ValueError as e:  # json.JSONDecodeError included
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            rid = rid or kv_rid
+        elif request.output_ids:
+            kwargs = {"output_ids": list(request.output_ids)}
+        stream = await self._open(context, prompt, params, rid, **kwargs)
+        timeout = self.w.config.request_timeout_s
         try:
-            stats = self.w.decode.pull(kv, block_ids)
-        except TransferFailed as e:
-            self.w.loop.call(engine.cancel_remote, req)
-            logger.warning("KV pull for %s failed: %s (policy %s)", rid, e, policy)
-            if policy == "fail":
-                raise
-            rid, q = self.w.loop.submit(prompt, params, rid, output_ids=[kv.first_token])
-            return rid, q, pb.TransferStats(recomputed=True)
-        q = self.w.loop.adopt(rid, lambda: engine.activate_remote(req))
-        return (
-            rid,
-            q,
-            pb.TransferStats(bytes=stats.bytes, messages=stats.messages, seconds=stats.seconds),
-        )
+            try:
+                out = await stream.next(timeout)
+            except RequestFailed as e:
+                await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            if out.finish_reason == "error":  # the KV load failed under policy "fail"
+                await context.abort(grpc.StatusCode.UNAVAILABLE, out.error or "KV load failed")
+            first = pb.GenerateChunk(
+                token_ids=out.token_ids,
+                finished=out.finished,
+                finish_reason=out.finish_reason or "",
+            )
+            first.transfer.CopyFrom(_transfer_pb(out))
+            yield first
+            sent = len(out.token_ids)
+            while not out.finished:
+                try:
+                    out = await stream.next(timeout)
+                except RequestFailed as e:
+                    yield pb.GenerateChunk(finished=True, finish_reason="error", error=str(e))
+                    return
+                yield pb.GenerateChunk(
+                    token_ids=out.token_ids[sent:],
+                    finished=out.finished,
+                    finish_reason=out.finish_reason or "",
+                    error=out.error or "",
+                )
+                sent = len(out.token_ids)
+        finally:
+            stream.close()
 
-    def Abort(self, request, context):
+    async def Abort(self, request, context):
         """Abort a request wherever it is: queued, running, or kept for a decode worker."""
-        found = self.w.loop.abort(request.request_id)
+        req = await asyncio.wrap_future(self.w.loop.abort(request.request_id))
+        found = req is not None
+        if self.w.decode is not None:
+            self.w.decode.dropped(req)
         if self.w.prefill is not None:
-            found = self.w.prefill.abort_request(request.request_id) or found
+            found = self.w.prefill.abort(request.request_id) or found
         return pb.AbortReply(ok=found)
 
-    def Stats(self, request, context):
+    async def Stats(self, request, context):
         return pb.StatsReply(json=json.dumps(self.w.stats()))
+
+    async def Health(self, request, context):
+        return pb.HealthReply(
+            engine_id=self.w.engine_id,
+            role=self.w.config.role,
+            queued=self.w.queued,
+            max_queued=self.w.config.max_queued,
+        )
+
+
+async def _sampling(msg: pb.Sampling, context) -> SamplingParams:
+    try:
+        return sampling_from_pb(msg)
+    except ValueError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+def _transfer_pb(out: RequestOutput) -> pb.TransferStats:
+    res = out.load_result
+    if res is None:
+        return pb.TransferStats(recomputed=out.recomputed)
+    if out.recomputed:
+        return pb.TransferStats(recomputed=True)
+    return pb.TransferStats(bytes=res.bytes, messages=res.messages, seconds=res.seconds)

@@ -1,6 +1,11 @@
-"""A worker: engine loop + connector role + gRPC (Worker and KVControl) on one port.
+"""A worker: engine loop + role(s) + one gRPC server (Worker and KVControl services).
 
-Plain class, testable without Ray; the Ray actor (launcher) is a thin shell over it.
+    Worker (shared plumbing: model, layout, UCX transport, engine loop, grpc.aio server)
+      ├── PrefillRole (prefill_worker/): prefill half of the connector, KVControl service
+      └── DecodeRole  (decode_worker/):  decode half of the connector, failure policy
+
+Role "both" has both halves (aggregated mode). Plain class, testable without Ray; the Ray
+actor (launcher) is a thin shell over it.
 """
 
 from __future__ import annotations
@@ -13,20 +18,25 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from hybrid_pd.connector.control import KVControlServicer, make_server
-from hybrid_pd.connector.decode import DecodeConnector
+from hybrid_pd.connector.base import KVConnector
+from hybrid_pd.connector.control import AioServer, KVControlServicer
 from hybrid_pd.connector.layout import KVLayout
-from hybrid_pd.connector.prefill import DEFAULT_LEASE_S, PrefillConnector
-from hybrid_pd.engine.engine import Engine, EngineConfig
+from hybrid_pd.connector.prefill import DEFAULT_LEASE_S
+from hybrid_pd.decode_worker import DecodeRole
+from hybrid_pd.engine.engine import Engine, EngineConfig, plan_kv_cache
 from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.loop import EngineLoop
 from hybrid_pd.engine.tiny import resolve_model
+from hybrid_pd.prefill_worker import PrefillRole
 from hybrid_pd.proto import kv_control_pb2_grpc, worker_pb2_grpc
 from hybrid_pd.workers.service import WorkerServicer
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
+#: Requests admitted but not yet given their first token, per worker; beyond this new ones
+#: are refused with RESOURCE_EXHAUSTED (the proxy holds them or tries another worker).
+DEFAULT_MAX_QUEUED = 256
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,7 @@ class WorkerConfig:
     request_timeout_s: float = 300.0
     #: UCX transports (UCX_TLS syntax, e.g. "tcp,self"); None: UCX's choice.
     ucx_tls: str | None = None
+    max_queued: int = DEFAULT_MAX_QUEUED
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -52,6 +63,8 @@ class WorkerConfig:
             raise ValueError("failure policy must be 'recompute' or 'fail'")
         if self.lease_s <= 0:
             raise ValueError("lease must be positive")
+        if self.max_queued < 1:
+            raise ValueError("max_queued must be at least 1")
 
 
 class Worker:
@@ -62,89 +75,89 @@ class Worker:
         self.engine_id = f"{config.role}-{uuid.uuid4().hex[:10]}"
         model, hf_config, tokenizer = load_model(resolve_model(config.model), config.device)
         self.model_name = config.model
-        engine = Engine(model, hf_config, config.engine, tokenizer)
-        self.layout = KVLayout.of(engine.kv_config, _model_identity(hf_config, model))
+        kv_config, _ = plan_kv_cache(model, hf_config, config.engine)
+        self.layout = KVLayout.of(kv_config, _model_identity(hf_config, model))
         ucx = ucx_options_for(config.host)
         if config.ucx_tls:
             ucx["TLS"] = config.ucx_tls
         self.transport = UcxTransport(ucx_options=ucx)
         self.transport.start()
-        self.server, self.port = make_server(f"{config.host}:{config.port}", config.secret)
+        self.server = AioServer(f"{config.host}:{config.port}", config.secret)
+        self.port = self.server.port
         self.address = f"{config.host}:{self.port}"
-        self.prefill: PrefillConnector | None = None
-        self.decode: DecodeConnector | None = None
+
+        def region(first: int, n: int):  # the engine's pool, once it exists
+            return self.engine.pool.region(first, n)
+
+        self.prefill: PrefillRole | None = None
+        self.decode: DecodeRole | None = None
         if config.role in ("prefill", "both"):
-            self.prefill = PrefillConnector(
+            self.prefill = PrefillRole(
                 engine_id=self.engine_id,
                 layout=self.layout,
                 control_address=self.address,
-                free_blocks=self._free_kept,
-                region=engine.pool.region,
                 transport=self.transport,
+                region=region,
                 lease_s=config.lease_s,
             )
-        engine.connector = self.prefill
-        self.engine = engine
-        self.loop = EngineLoop(self.engine)
-        if self.prefill is not None:
-            self.loop.add_hook(self.prefill.expire)
         if config.role in ("decode", "both"):
-            self.decode = DecodeConnector(
+            self.decode = DecodeRole(
                 engine_id=self.engine_id,
                 layout=self.layout,
                 transport=self.transport,
-                region=self.engine.pool.region,
+                region=region,
                 secret=config.secret,
                 timeout_s=config.transfer_timeout_s,
+                failure_policy=config.failure_policy,
             )
-        kv_control_pb2_grpc.add_KVControlServicer_to_server(
-            KVControlServicer(self.engine_id, self.layout, self.transport.address, self.prefill),
-            self.server,
+        connector = KVConnector(
+            scheduler=self.prefill.connector if self.prefill else None,
+            worker=self.decode.connector if self.decode else None,
         )
-        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(self), self.server)
+        self.engine = Engine(model, hf_config, config.engine, tokenizer, connector)
+        self.loop = EngineLoop(self.engine)
+        for role in (self.prefill, self.decode):
+            if role is not None:
+                role.attach(self.loop)
+        control = KVControlServicer(
+            self.engine_id,
+            self.layout,
+            self.transport.address,
+            self.prefill.connector if self.prefill else None,
+        )
+        #: Requests admitted and waiting for their first token (the server's loop only).
+        self.queued = 0
+        service = WorkerServicer(self)
+        self.server.add(lambda s: kv_control_pb2_grpc.add_KVControlServicer_to_server(control, s))
+        self.server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(service, s))
         self.started_at = time.time()
         self.server.start()
         logger.info("%s worker %s serving on %s", config.role, self.engine_id, self.address)
 
-    def _free_kept(self, request_id: str) -> None:
-        self.loop.call(self.engine.free_request_blocks, request_id)
-
     def stats(self) -> dict:
-        def collect() -> dict:
-            kv = self.engine.kv
-            kv.check_integrity()
-            return {
-                "engine_id": self.engine_id,
-                "role": self.config.role,
-                "address": self.address,
-                "model": self.model_name,
-                "num_blocks": kv.pool.num_blocks,
-                "free_blocks": kv.pool.num_free_blocks,
-                "cached_blocks": kv.pool.num_cached_blocks,
-                "kv_requests": kv.num_requests,
-                "running": len(self.engine.scheduler.running),
-                "waiting": len(self.engine.scheduler.waiting),
-                "page_size_bytes": self.layout.page_size_bytes,
-                "block_size": self.layout.block_size,
-                "integrity": "ok",
-            }
-
-        out = self.loop.call(collect)
-        if self.prefill is not None:
-            out["leases"] = self.prefill.num_leases
-            out["prefill_connector"] = dict(self.prefill.stats)
-        if self.decode is not None:
-            out["decode_connector"] = dict(self.decode.stats)
+        """Load, KV headroom and pool integrity, from the snapshot the engine loop publishes
+        after every step: never waits for the engine."""
+        out = dict(self.loop.snapshot)
+        out.update(
+            engine_id=self.engine_id,
+            role=self.config.role,
+            address=self.address,
+            model=self.model_name,
+            page_size_bytes=self.layout.page_size_bytes,
+            block_size=self.layout.block_size,
+        )
+        for role in (self.prefill, self.decode):
+            if role is not None:
+                out.update(role.stats())
         out["transport"] = self.transport.stats()
         return out
 
     def close(self) -> None:
-        self.server.stop(grace=1.0).wait(5)
+        self.server.stop(grace=1.0)
         self.loop.stop()
-        if self.prefill is not None:
-            self.prefill.close()
-        if self.decode is not None:
-            self.decode.close()
+        for role in (self.prefill, self.decode):
+            if role is not None:
+                role.close()
         self.transport.close()
 
 

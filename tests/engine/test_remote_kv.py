@@ -1,8 +1,10 @@
-"""A decode engine whose KV transfer broke halfway must recompute exactly.
+"""Remote KV inside the scheduler: a decode engine's requests wait for blocks in the queue,
+their loads run through the connector's worker side, and the outcome is applied between
+steps: run from prompt + first token, recompute, or fail.
 
-The blocks reserved for a transfer hold whatever the broken pull wrote. Freeing them must not
-put any of it into the prefix cache: a state page freed on a block boundary used to become a
-snapshot, and a recompute of a prompt whose attention blocks were cached hit it.
+The connector here is an in-process stand-in (the subject is the engine): loads copy the
+blocks from a prefill engine's pool, or write garbage and fail, when the test says so. The
+real connector over UCX and gRPC is exercised in tests/connector/.
 """
 
 from __future__ import annotations
@@ -10,12 +12,69 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybrid_pd.connector.base import KVConnector, LoadResult
+from hybrid_pd.connector.segments import plan_segments
 from hybrid_pd.engine.engine import Engine, EngineConfig
 from hybrid_pd.engine.loader import load_model
+from hybrid_pd.engine.request import Status
 from hybrid_pd.engine.sampling import SamplingParams
+from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 from tests.checkpoints import BUILDERS
 
 N_NEW = 12
+PARAMS = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+
+
+class KeepAll:
+    """Prefill side: keep every finished prefill's blocks; params name them."""
+
+    def request_finished_all_groups(self, request, block_ids):
+        kept = tuple(tuple(b for b in g if b != NULL_BLOCK_ID) for g in block_ids)
+        return True, {"blocks": kept, "first": request.output_ids[0]}
+
+
+class ScriptedLoads:
+    """Decode side: loads start when the scheduler says, end when the test says."""
+
+    def __init__(self, src_pool) -> None:
+        self.src_pool = src_pool
+        self.dst_pool = None
+        self.started: dict[str, tuple[dict, tuple]] = {}
+        self.order: list[str] = []
+        self._done: list[LoadResult] = []
+
+    def start_load_kv(self, request_id, params, block_ids) -> None:
+        self.started[request_id] = (params, block_ids)
+        self.order.append(request_id)
+
+    def complete(self, request_id: str) -> None:
+        params, block_ids = self.started.pop(request_id)
+        dst = [[b for b in g if b != NULL_BLOCK_ID] for g in block_ids]
+        for s in plan_segments(params["blocks"], dst):
+            self.dst_pool.region(s.dst, s.length).copy_(self.src_pool.region(s.src, s.length))
+        self._done.append(LoadResult(request_id, None, 1, 1, 0.0))
+
+    def break_halfway(self, request_id: str) -> int:
+        """Write garbage into the second half of each group's blocks, then fail."""
+        _, block_ids = self.started.pop(request_id)
+        written = 0
+        for group in block_ids:
+            for b in [b for b in group if b != NULL_BLOCK_ID][len(group) // 2 :]:
+                region = self.dst_pool.region(b, 1)
+                region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
+                written += 1
+        self._done.append(LoadResult(request_id, "peer died during the pull"))
+        return written
+
+    def get_finished(self):
+        out, self._done = self._done, []
+        return out
+
+    def has_finished(self) -> bool:
+        return bool(self._done)
+
+    def keep_alive(self, params) -> None:
+        pass
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -24,48 +83,147 @@ def loaded(request, tmp_path_factory):
     return load_model(path)
 
 
-def make_engine(loaded) -> Engine:
+def make_engine(loaded, kv_memory: int = 4 * 2**20, connector=None) -> Engine:
     model, config, tok = loaded
-    return Engine(model, config, EngineConfig(kv_memory_bytes=4 * 2**20), tok)
+    return Engine(model, config, EngineConfig(kv_memory_bytes=kv_memory), tok, connector)
 
 
-def run_to_end(engine: Engine, rid: str) -> list[int]:
-    final = None
-    for _ in range(200):
+def prompt_of(engine: Engine, blocks: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    # A whole number of blocks (a state snapshot boundary), longer than any window.
+    return torch.randint(3, 256, (blocks * engine.kv.block_size,), generator=g).tolist()
+
+
+def prefill(engine: Engine, prompt: list[int]) -> dict:
+    rid = engine.add_request(prompt, PARAMS, remote_decode=True)
+    for _ in range(100):
         for out in engine.step():
             if out.request_id == rid and out.finished:
-                final = out
-        if final is not None:
-            return final.token_ids
-    raise AssertionError("the request did not finish")
+                assert out.finish_reason == "remote_decode"
+                return out.kv_transfer_params
+    raise AssertionError("prefill did not finish")
+
+
+def drive(engine: Engine, loads: ScriptedLoads, action, max_steps: int = 400) -> dict:
+    """Step until every request finished; `action(loads)` runs before each step (end
+    loads there). Returns the final outputs by request id."""
+    final = {}
+    for _ in range(max_steps):
+        action(loads)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if not engine.has_unfinished():
+            return final
+    raise AssertionError("requests did not finish")
+
+
+def pd_pair(loaded, decode_memory: int = 4 * 2**20):
+    source = make_engine(loaded, connector=KVConnector(scheduler=KeepAll()))
+    loads = ScriptedLoads(source.pool)
+    decode = make_engine(loaded, decode_memory, KVConnector(worker=loads))
+    loads.dst_pool = decode.pool
+    return source, decode, loads
+
+
+def complete_all(loads: ScriptedLoads) -> None:
+    for rid in list(loads.started):
+        loads.complete(rid)
+
+
+def assert_clean(engine: Engine) -> None:
+    engine.kv.check_integrity()
+    assert engine.kv.num_requests == 0
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks - 1
+
+
+def test_remote_kv_runs_from_prompt_and_first_token(loaded):
+    source, decode, loads = pd_pair(loaded)
+    prompt = prompt_of(source, 5, seed=1)
+    want = make_engine(loaded).generate([prompt], PARAMS)[0].token_ids
+    assert len(set(want)) > 2, "random weights too flat: greedy output does not vary"
+    kv = prefill(source, prompt)
+    assert kv["first"] == want[0]
+    rid = decode.add_request(prompt, PARAMS, "d", output_ids=[kv["first"]], remote_kv=kv)
+    decode.step()  # its turn: blocks allocated, load started, nothing computed
+    assert rid in loads.started
+    assert decode.scheduler.receiving[rid].status is Status.WAITING_FOR_REMOTE_KV
+    decode.step()  # the load has not ended: the request stays where it is
+    assert rid in decode.scheduler.receiving
+    out = drive(decode, loads, complete_all)[rid]
+    assert out.token_ids == want and out.load_result.error is None and not out.recomputed
+    assert_clean(decode)
 
 
 def test_recompute_after_half_written_transfer(loaded):
-    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
-    engine = make_engine(loaded)
-    bs = engine.kv.block_size
-    g = torch.Generator().manual_seed(5)
-    # A whole number of blocks (the state snapshot boundary) and longer than any window.
-    prompt = torch.randint(3, 256, (6 * bs,), generator=g).tolist()
-    want = engine.generate([prompt], params)[0].token_ids
-    assert len(set(want)) > 2, "random weights too flat: greedy output does not vary"
-    # The same engine goes on: the prompt's attention blocks are in its prefix cache now,
-    # so a bad state snapshot at the prompt's end would be hit by the recompute.
-    reserved = engine.reserve_remote("r", prompt, want[0], params)
-    assert reserved is not None
-    req, block_ids = reserved
-    written = 0
-    for group in block_ids:  # the broken pull wrote garbage into half of the blocks
-        for b in group[len(group) // 2 :]:
-            if b:
-                engine.pool.region(b, 1).copy_(
-                    torch.randint(0, 256, (1, engine.pool.region(b, 1).shape[1]), dtype=torch.uint8)
-                )
-                written += 1
-    assert written > 0
-    engine.cancel_remote(req)
-    engine.kv.check_integrity()
-    rid = engine.add_request(prompt, params, "r", output_ids=[want[0]])
-    assert run_to_end(engine, rid) == want
-    engine.kv.check_integrity()
-    assert engine.kv.num_requests == 0
+    """The blocks of a broken pull hold garbage; none of it may enter the prefix cache (a
+    state page freed on a block boundary used to become a snapshot that the recompute hit
+    once the prompt's attention blocks were cached: wrong greedy tokens)."""
+    source, decode, loads = pd_pair(loaded)
+    prompt = prompt_of(source, 6, seed=5)
+    # The decode engine has run this prompt before: its attention blocks are cached.
+    want = decode.generate([prompt], PARAMS)[0].token_ids
+    kv = prefill(source, prompt)
+    rid = decode.add_request(prompt, PARAMS, "r", output_ids=[kv["first"]], remote_kv=kv)
+    decode.step()
+    assert loads.break_halfway(rid) > 0
+    out = drive(decode, loads, complete_all)[rid]
+    assert out.recomputed and out.token_ids == want
+    assert_clean(decode)
+    # And again, now that a recompute has run: still exact.
+    kv = prefill(source, prompt)
+    rid = decode.add_request(prompt, PARAMS, "r2", output_ids=[kv["first"]], remote_kv=kv)
+    decode.step()
+    loads.break_halfway(rid)
+    assert drive(decode, loads, complete_all)[rid].token_ids == want
+
+
+def test_failure_policy_fail_reports_and_frees(loaded):
+    source, decode, loads = pd_pair(loaded)
+    prompt = prompt_of(source, 3, seed=2)
+    kv = prefill(source, prompt)
+    rid = decode.add_request(
+        prompt, PARAMS, "f", output_ids=[kv["first"]], remote_kv=kv, on_load_failure="fail"
+    )
+    decode.step()
+    loads.break_halfway(rid)
+    out = drive(decode, loads, lambda _: None)[rid]
+    assert out.finish_reason == "error" and "peer died" in out.error
+    assert_clean(decode)
+
+
+def test_abort_while_receiving_frees_after_the_load_ends(loaded):
+    source, decode, loads = pd_pair(loaded)
+    prompt = prompt_of(source, 4, seed=3)
+    kv = prefill(source, prompt)
+    rid = decode.add_request(prompt, PARAMS, "a", output_ids=[kv["first"]], remote_kv=kv)
+    decode.step()
+    held = decode.kv.pool.num_free_blocks
+    assert decode.abort(rid) is not None
+    decode.step()
+    # The load may still be writing into the blocks: they stay allocated until it ends.
+    assert decode.kv.pool.num_free_blocks == held and decode.kv.has_request(rid)
+    loads.complete(rid)
+    decode.step()
+    assert_clean(decode)
+
+
+def test_queue_longer_than_the_pool_all_finish_in_order(loaded):
+    """More remote requests than the decode pool holds: they wait in the scheduler queue (no
+    timeouts), get blocks in arrival order as others finish, and all give exact tokens."""
+    probe = make_engine(loaded)
+    prompts = [prompt_of(probe, 4, seed=10 + i) for i in range(8)]
+    need = probe.kv.config.blocks_per_request(len(prompts[0]) + N_NEW)
+    # Room for about two requests at a time.
+    memory = (2 * need + 1) * probe.kv_config.page_size_bytes
+    source, decode, loads = pd_pair(loaded, decode_memory=memory)
+    assert decode.kv.pool.num_blocks - 1 < 3 * need
+    want = [probe.generate([p], PARAMS)[0].token_ids for p in prompts]
+    rids = []
+    for i, p in enumerate(prompts):
+        kv = prefill(source, p)
+        rids.append(decode.add_request(p, PARAMS, f"q{i}", output_ids=[kv["first"]], remote_kv=kv))
+    final = drive(decode, loads, complete_all)
+    assert [final[r].token_ids for r in rids] == want
+    assert loads.order == rids  # blocks granted first come, first served
+    assert_clean(decode)

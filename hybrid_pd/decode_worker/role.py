@@ -1,0 +1,92 @@
+"""DecodeRole: what a worker adds to its engine to continue requests prefilled elsewhere.
+
+Generate(kv_transfer_params) ──► engine queue (remote_kv: waits for blocks in turn)
+scheduler allocates the blocks ──► DecodeConnector.start_load_kv (pull on its threads)
+pull ends ──► loop.wake ──► scheduler: run from prompt + first token, or apply the
+                            failure policy (recompute here, or fail the request)
+requests still waiting for blocks ──► heartbeats keep their prefill leases alive
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from hybrid_pd.connector.decode import DecodeConnector
+from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.params import KVTransferParams
+from hybrid_pd.engine.loop import EngineLoop
+
+#: While a request waits for blocks, its prefill lease is extended this often.
+HEARTBEAT_S = 5.0
+POLICIES = ("recompute", "fail")
+
+
+class DecodeRole:
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        layout: KVLayout,
+        transport,
+        region: Callable[[int, int], object],
+        secret: str | None,
+        timeout_s: float,
+        failure_policy: str,
+    ) -> None:
+        if failure_policy not in POLICIES:
+            raise ValueError(f"failure policy must be one of {POLICIES}")
+        self.failure_policy = failure_policy
+        self._loop: EngineLoop | None = None
+        self._next_beat = 0.0
+        self.connector = DecodeConnector(
+            engine_id=engine_id,
+            layout=layout,
+            transport=transport,
+            region=region,
+            secret=secret,
+            timeout_s=timeout_s,
+        )
+
+    def attach(self, loop: EngineLoop) -> None:
+        self._loop = loop
+        self.connector.notify = loop.wake
+        loop.add_hook(self._keep_leases)
+
+    def request_kwargs(
+        self, kv_json: dict, prompt_ids: list[int], policy: str = ""
+    ) -> tuple[str, dict]:
+        """Engine.add_request keywords for a request whose KV waits on a prefill worker;
+        returns (the prefill-side request id, kwargs). Raises ValueError for bad input."""
+        kv = KVTransferParams.from_dict(kv_json)
+        if kv.prompt_len != len(prompt_ids):
+            raise ValueError(
+                f"kv_transfer_params.prompt_len is {kv.prompt_len} but the prompt "
+                f"has {len(prompt_ids)} tokens"
+            )
+        policy = policy or self.failure_policy
+        if policy not in POLICIES:
+            raise ValueError(f"failure_policy must be one of {POLICIES}")
+        kwargs = {"output_ids": [kv.first_token], "remote_kv": kv, "on_load_failure": policy}
+        return kv.request_id, kwargs
+
+    def dropped(self, request) -> None:
+        """An aborted request whose KV was never pulled: let the prefill worker free it."""
+        if request is not None and request.remote_kv is not None:
+            self.connector.abort_later(request.remote_kv)
+
+    def _keep_leases(self) -> None:
+        """Engine thread, idle tick: heartbeats for requests whose KV is not pulled yet."""
+        now = time.monotonic()
+        if now < self._next_beat:
+            return
+        self._next_beat = now + HEARTBEAT_S
+        sched = self._loop.engine.scheduler
+        pending = [r.remote_kv for r in sched.waiting if r.remote_kv is not None]
+        self.connector.keep_alive(pending)
+
+    def stats(self) -> dict:
+        return {"decode_connector": dict(self.connector.stats)}
+
+    def close(self) -> None:
+        self.connector.close()
