@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import PrefillConnector
 from hybrid_pd.engine.loop import EngineLoop
@@ -49,6 +50,14 @@ class PrefillRole:
     def abort(self, request_id: str) -> bool:
         """Drop a kept request (the proxy's Abort; the control plane is authenticated)."""
         return self.connector.abort_request(request_id)
+
+    def abort_with_token(self, request_id: str, token: str) -> bool:
+        """Drop a kept request for a caller that shows its transfer token."""
+        try:
+            self.connector.release(request_id, token, reason="aborted")
+        except TransferFailed:
+            return False
+        return True
 
     def stats(self) -> dict:
         return {

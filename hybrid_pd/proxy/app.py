@@ -54,7 +54,7 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
     async def proxy_error(request: Request, e: ProxyError) -> JSONResponse:
         if e.kind:
             metrics.failure(e.kind)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -40,6 +40,21 @@ class ProxyConfig:
     stats_interval_ms: int = 500
     #: Decode's reaction to a failed KV pull ("recompute" or "fail"); "" = the worker's own.
     failure_policy: str = ""
+    #: Requests the proxy holds at once (waiting for a worker with room, or running);
+    #: past this a new request gets 429 at once.
+    max_pending_requests: int = 1024
+    #: How long a request may be held waiting for a worker with room (every queue full)
+    #: or for a live worker (all down, restarting) before 429 / 503.
+    queue_timeout_s: float = 30.0
+    #: Prefills run on decode workers at once when no prefill worker is up (beyond this
+    #: they wait for a prefill worker or a fallback slot).
+    max_fallback_prefills: int = 4
+    #: How often one request's decode stream may move to another worker after its worker
+    #: failed (Dynamo-style request migration: prompt + tokens already produced).
+    max_migrations: int = 3
+    #: A worker whose health checks fail (other than connection refused, which counts at
+    #: once) is treated as dead only after failing for this long: busy is not dead.
+    dead_after_s: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("prefill_addresses", "decode_addresses"):
@@ -66,11 +81,19 @@ class ProxyConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if not isinstance(self.default_chat_max_tokens, int) or self.default_chat_max_tokens < 1:
             raise ValueError("default_chat_max_tokens must be an integer >= 1")
+        for name in ("max_pending_requests", "max_fallback_prefills", "max_migrations"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.max_pending_requests < 1:
+            raise ValueError("max_pending_requests must be at least 1")
         for name in (
             "prefill_timeout_s",
             "request_timeout_s",
             "stream_idle_timeout_s",
             "control_timeout_s",
+            "queue_timeout_s",
+            "dead_after_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not value > 0:

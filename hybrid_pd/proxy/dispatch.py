@@ -1,8 +1,17 @@
 """Run one request on the workers, as an async stream of token events.
 
-Long prompts: Prefill on a prefill worker (one retry on another when the first is
-UNAVAILABLE or times out, then fall back to running it all on a decode worker), then
-Generate with the kv_transfer_params on a decode worker. Short prompts: Generate alone.
+Long prompts: Prefill on a prefill worker, then Generate with the kv_transfer_params on a
+decode worker. Short prompts: Generate alone. What keeps a request alive:
+
+- backpressure: a worker with a full queue answers RESOURCE_EXHAUSTED; the request is held
+  (bounded by `queue_timeout_s`) and offered to workers with room, then 429 + Retry-After.
+  The proxy itself holds at most `max_pending_requests` (429 at once past that);
+- a dead prefill worker: the prefill is retried on another one; with no prefill worker up,
+  up to `max_fallback_prefills` run wholly on decode workers, the rest wait;
+- a dead decode worker: the stream migrates: the proxy resubmits prompt + every token already
+  produced to another decode worker (or the restarted one) and the client's stream goes on
+  where it was (greedy output unchanged), at most `max_migrations` times.
+
 Every wait is bounded; `Job.close()` (always called) cancels what is in flight and aborts
 the request on the workers it reached, unless it finished there.
 """
@@ -18,7 +27,7 @@ from dataclasses import dataclass
 import grpc
 
 from hybrid_pd.engine.sampling import SamplingParams
-from hybrid_pd.proxy.errors import ProxyError
+from hybrid_pd.proxy.errors import ProxyError, overloaded
 from hybrid_pd.proxy.legs import Leg, Pump, wait_grpc_future
 from hybrid_pd.proxy.metrics import ProxyMetrics
 from hybrid_pd.proxy.routing import (
@@ -31,7 +40,16 @@ from hybrid_pd.proxy.routing import (
 from hybrid_pd.proxy.worker_client import PrefillResult, prefill_result
 
 logger = logging.getLogger(__name__)
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
+#: A decode leg that failed this way lost its worker (or its engine): migrate the stream.
+_LOST = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+)
+#: Sleep between looks for a worker with room (doubling up to the cap).
+_BACKOFF_S, _BACKOFF_CAP_S = 0.02, 0.5
 
 
 @dataclass
@@ -41,11 +59,22 @@ class TokenEvent:
     finish_reason: str = ""
 
 
+class _Migrate(Exception):
+    """The decode leg lost its worker (status 503) or its engine failed the request (500):
+    resume elsewhere; `status` is what the client sees when migrations run out."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class Dispatcher:
     def __init__(self, config, pool: WorkerPool, metrics: ProxyMetrics) -> None:
         self.config = config
         self.pool = pool
         self.metrics = metrics
+        self.pending = 0  # requests held or running (event loop only)
+        self.fallbacks = 0  # prefills running on decode workers now
 
     def start(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float
@@ -64,11 +93,23 @@ class Job:
         self.legs: list[Leg] = []
         self.done = False
         self.closed = False
+        self.counted = False
+        self.fallback = False
+        self.migrations = 0
+        #: Every output token produced so far (what a migrated stream resumes from).
+        self.produced: list[int] = []
         self._last_token_at: float | None = None
 
     # -- the stream -------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[TokenEvent]:
         d = self.d
+        if d.pending >= d.config.max_pending_requests:
+            raise overloaded(
+                f"the proxy holds {d.pending} requests already "
+                f"(max_pending_requests={d.config.max_pending_requests}); retry later"
+            )
+        d.pending += 1
+        self.counted = True
         prefill = None
         if wants_prefill(
             len(self.prompt_ids), d.config.min_prefill_tokens, len(d.pool.with_role("prefill"))
@@ -78,26 +119,39 @@ class Job:
         else:
             self.route = "decode_only"
         d.metrics.routes.labels(self.route).inc()
-        emitted = 0
         if prefill is not None:
             self._observe(1)
             if prefill.finished:
                 self._finish()
+            self.produced.append(prefill.first_token)
             yield TokenEvent([prefill.first_token], prefill.finished, prefill.finish_reason)
             if prefill.finished:
                 return
-            emitted = 1
-        async for event in self._decode(prefill, emitted):
+        async for event in self._decode(prefill):
             yield event
 
+    # -- prefill ----------------------------------------------------------------------------
     async def _prefill(self) -> PrefillResult | None:
-        d, tried = self.d, []
-        for attempt in range(2):
+        """The prefill's result, or None: run it all on a decode worker (fallback)."""
+        d = self.d
+        deadline = time.monotonic() + d.config.queue_timeout_s
+        tried: list[WorkerState] = []
+        backoff = _BACKOFF_S
+        attempt = 0
+        while True:
             worker = await asyncio.to_thread(d.pool.pick_prefill, tried)
             if worker is None:
-                break
-            tried.append(worker)
+                if not d.pool.live("prefill") and self._take_fallback():
+                    d.metrics.failure("prefill_fallback")
+                    return None
+                if time.monotonic() > deadline:
+                    raise overloaded("every prefill worker is busy or down; retry later")
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, _BACKOFF_CAP_S)
+                tried = []
+                continue
             call = prepare_prefill_request(self.rid, self.prompt_ids, self.params, attempt)
+            attempt += 1
             future = worker.client.prefill_future(
                 call.request_id, call.prompt_ids, call.sampling, d.config.prefill_timeout_s
             )
@@ -114,88 +168,178 @@ class Job:
             try:
                 reply = await wait_grpc_future(future)
             except grpc.RpcError as e:
-                leg.abort()  # it may still run there (deadline): drop it
                 code = e.code()
+                if code == _FULL:  # alive, queue full: not an error, look again
+                    leg.release()
+                    d.pool.mark_full(worker)
+                    tried.append(worker)
+                    continue
+                leg.abort()  # it may still run there (deadline): drop it
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise ProxyError(400, e.details() or "invalid request") from e
-                d.pool.mark_failed(worker, f"{code.name}: {e.details()}")
                 logger.warning("prefill on %s failed: %s %s", worker.address, code, e.details())
-                if code not in _RETRYABLE:
+                tried.append(worker)
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    d.pool.mark_failed(worker, f"{code.name}: {e.details()}")
+                    d.metrics.failure("prefill_unavailable")
+                else:  # slow or failing, not dead: another worker, else decode
                     d.metrics.failure("prefill_error")
-                    break
-                d.metrics.failure("prefill_unavailable")
+                if attempt >= 2 and self._take_fallback():
+                    d.metrics.failure("prefill_fallback")
+                    return None
                 continue
             leg.release()
             d.pool.mark_ok(worker)
-            return prefill_result(reply)
-        d.metrics.failure("prefill_fallback")
-        return None
+            result = prefill_result(reply)
+            leg.transfer_token = (result.kv_transfer_params or {}).get("transfer_token", "")
+            return result
 
-    async def _decode(self, prefill: PrefillResult | None, emitted: int):
-        d, exclude = self.d, []
-        for attempt in range(2):
-            worker = await asyncio.to_thread(d.pool.pick_decode, exclude)
-            if worker is None:
-                raise ProxyError(503, self._no_worker(), kind="no_worker")
+    def _take_fallback(self) -> bool:
+        d = self.d
+        if d.fallbacks >= d.config.max_fallback_prefills:
+            return False
+        d.fallbacks += 1
+        self.fallback = True
+        return True
+
+    # -- decode -----------------------------------------------------------------------------
+    async def _decode(self, prefill: PrefillResult | None):
+        d = self.d
+        attempt = 0
+        deadline = time.monotonic() + d.config.queue_timeout_s
+        while True:
+            worker = await self._pick_decode(deadline)
             call = prepare_decode_request(
-                self.rid, self.prompt_ids, self.params, prefill, d.config.failure_policy, attempt
+                self.rid,
+                self.prompt_ids,
+                self.params,
+                prefill,
+                d.config.failure_policy,
+                attempt,
+                output_ids=() if prefill is not None else self.produced,
             )
-            stream = worker.client.generate_stream(
-                call.request_id,
-                call.prompt_ids,
-                call.sampling,
-                call.kv_transfer_params,
-                call.failure_policy,
-                timeout_s=d.config.request_timeout_s,
-            )
-            leg = Leg(
-                d.pool,
-                worker,
-                call.request_id,
-                "decode",
-                stream,
-                abort_timeout_s=d.config.control_timeout_s,
-            )
-            self.legs.append(leg)
-            pump = Pump(stream, asyncio.get_running_loop())
-            seen: list[int] = []
-            while True:
-                kind, item = await pump.get(d.config.stream_idle_timeout_s, worker.address)
-                if kind == "error":
-                    code = item.code() if isinstance(item, grpc.RpcError) else None
-                    if code == grpc.StatusCode.UNAVAILABLE and not seen and prefill is None:
-                        # Never reached the worker: safe to run it on another one, once.
-                        leg.abort()
-                        d.pool.mark_failed(worker, f"UNAVAILABLE: {item.details()}")
-                        d.metrics.failure("decode_unavailable")
-                        exclude.append(worker)
-                        break
-                    raise self._decode_error(worker, item)
-                if kind == "end":
+            attempt += 1
+            try:
+                async for event in self._decode_leg(worker, call, prefill is not None):
+                    yield event
+                return
+            except _Migrate as e:
+                self.migrations += 1
+                if self.migrations > d.config.max_migrations:
                     raise ProxyError(
-                        500, "the decode stream ended before the request did", kind="decode_error"
-                    )
-                chunk = item
-                if not seen and chunk.HasField("transfer") and prefill is not None:
-                    t = chunk.transfer
-                    d.metrics.transfer(t.bytes, t.seconds, t.recomputed)
-                if chunk.error:
-                    msg = f"decode failed on {worker.address}: {chunk.error}"
-                    raise ProxyError(500, msg, kind="decode_error")
-                seen += chunk.token_ids
-                new = seen[emitted:]
-                emitted = max(emitted, len(seen))
-                if new:
-                    self._observe(len(new))
-                if chunk.finished:
-                    leg.release()
-                    d.pool.mark_ok(worker)
-                    self._finish()
-                    yield TokenEvent(new, True, chunk.finish_reason)
-                    return
-                if new:
-                    yield TokenEvent(new)
-        raise ProxyError(503, self._no_worker(), kind="no_worker")
+                        e.status,
+                        f"decode failed {self.migrations} times; last on {worker.address}: {e}",
+                        kind="decode_lost" if e.status == 503 else "decode_error",
+                    ) from None
+                d.metrics.failure("migrated")
+                logger.warning(
+                    "request %s: decode on %s lost (%s); migrating after %d tokens",
+                    self.rid,
+                    worker.address,
+                    e,
+                    len(self.produced),
+                )
+                prefill = None  # resume from prompt + produced tokens, recomputed
+                deadline = time.monotonic() + d.config.queue_timeout_s
+            except _Full:
+                continue
+
+    async def _pick_decode(self, deadline: float) -> WorkerState:
+        """A live decode worker with room, waiting until `deadline` while all are full or
+        down (a restarting worker comes back under a new address)."""
+        d = self.d
+        backoff = _BACKOFF_S
+        while True:
+            worker = await asyncio.to_thread(d.pool.pick_decode)
+            if worker is not None:
+                return worker
+            if time.monotonic() > deadline:
+                if d.pool.live("decode"):
+                    raise overloaded("every decode worker is busy; retry later")
+                raise ProxyError(503, self._no_worker(), kind="no_worker")
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, _BACKOFF_CAP_S)
+
+    async def _decode_leg(self, worker: WorkerState, call, with_kv: bool):
+        d = self.d
+        stream = worker.client.generate_stream(
+            call.request_id,
+            call.prompt_ids,
+            call.sampling,
+            call.kv_transfer_params,
+            call.failure_policy,
+            timeout_s=d.config.request_timeout_s,
+            output_ids=call.output_ids,
+        )
+        leg = Leg(
+            d.pool,
+            worker,
+            call.request_id,
+            "decode",
+            stream,
+            abort_timeout_s=d.config.control_timeout_s,
+        )
+        self.legs.append(leg)
+        pump = Pump(stream, asyncio.get_running_loop())
+        # The worker sends every output token from the first, the ones it resumed from
+        # (the prefill's first token, or a migrated stream's) included.
+        seen: list[int] = []
+        while True:
+            kind, item = await pump.get(d.config.stream_idle_timeout_s, worker.address)
+            if kind == "error":
+                raise self._leg_error(leg, worker, item, started=bool(seen))
+            if kind == "end":
+                leg.abort()
+                raise _Migrate("the stream ended before the request did")
+            chunk = item
+            if not seen and chunk.HasField("transfer") and with_kv:
+                t = chunk.transfer
+                d.metrics.transfer(t.bytes, t.seconds, t.recomputed)
+            if chunk.error:
+                leg.abort()
+                raise _Migrate(f"worker error: {chunk.error}", status=500)
+            seen += chunk.token_ids
+            # Output positions: seen[i] is the request's i-th output token.
+            new = seen[len(self.produced) :]
+            self.produced += new
+            if new:
+                self._observe(len(new))
+            if chunk.finished:
+                leg.release()
+                d.pool.mark_ok(worker)
+                self._finish()
+                yield TokenEvent(new, True, chunk.finish_reason)
+                return
+            if new:
+                yield TokenEvent(new)
+
+    def _leg_error(self, leg: Leg, worker: WorkerState, e, started: bool) -> Exception:
+        if isinstance(e, ProxyError):  # the idle timeout
+            leg.abort()
+            return e
+        if not isinstance(e, grpc.RpcError):
+            leg.abort()
+            return _Migrate(f"{type(e).__name__}: {e}")
+        code, details = e.code(), e.details()
+        if code == _FULL and not started:
+            leg.release()
+            self.d.pool.mark_full(worker)
+            return _Full()
+        leg.abort()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return ProxyError(400, details or "invalid request")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return ProxyError(504, f"decode on {worker.address} timed out", kind="timeout")
+        if code == grpc.StatusCode.ABORTED:  # the KV pull failed under policy "fail"
+            return ProxyError(503, f"decode on {worker.address}: {details}", kind="kv_transfer")
+        if code in _LOST:
+            if code == grpc.StatusCode.UNAVAILABLE:
+                self.d.pool.mark_failed(worker, f"UNAVAILABLE: {details}")
+                self.d.metrics.failure("decode_unavailable")
+            return _Migrate(f"{code.name}: {details}")
+        return ProxyError(
+            500, f"decode failed on {worker.address}: {code.name}: {details}", kind="decode_error"
+        )
 
     def _no_worker(self) -> str:
         errors = [
@@ -204,27 +348,6 @@ class Job:
             if "decode" in w["roles"] and w["last_error"]
         ]
         return "no decode worker is available" + (f" ({'; '.join(errors)})" if errors else "")
-
-    def _decode_error(self, worker: WorkerState, e: BaseException) -> ProxyError:
-        if isinstance(e, ProxyError):
-            return e
-        if not isinstance(e, grpc.RpcError):
-            return ProxyError(500, f"decode failed on {worker.address}: {e}", kind="decode_error")
-        code, details = e.code(), e.details()
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return ProxyError(400, details or "invalid request")
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return ProxyError(504, f"decode on {worker.address} timed out", kind="timeout")
-        if code == grpc.StatusCode.UNAVAILABLE:
-            self.d.pool.mark_failed(worker, f"UNAVAILABLE: {details}")
-            return ProxyError(
-                503,
-                f"decode worker {worker.address} unavailable: {details}",
-                kind="decode_unavailable",
-            )
-        return ProxyError(
-            500, f"decode failed on {worker.address}: {code.name}: {details}", kind="decode_error"
-        )
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _observe(self, n: int) -> None:
@@ -248,8 +371,16 @@ class Job:
         if self.closed:
             return
         self.closed = True
+        if self.counted:
+            self.d.pending -= 1
+        if self.fallback:
+            self.d.fallbacks -= 1
         for leg in self.legs:
             if self.done:
                 leg.release()
             else:
                 leg.abort()
+
+
+class _Full(Exception):
+    """The decode worker's queue was full before the request started: pick again."""

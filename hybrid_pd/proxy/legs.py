@@ -30,6 +30,8 @@ class Leg:
         self.tokens = tokens
         self.abort_timeout_s = abort_timeout_s
         self.released = False
+        #: A prefill's kept KV: its token lets Abort drop it even on a worker without secret.
+        self.transfer_token = ""
         if kind == "prefill":
             pool.begin_prefill(worker, tokens)
         else:
@@ -52,12 +54,12 @@ class Leg:
             self.call.cancel()
         except Exception:  # already finished
             pass
-        client, rid = self.worker.client, self.rid
+        client, rid, token = self.worker.client, self.rid, self.transfer_token
         timeout = self.abort_timeout_s
 
         def send() -> None:
             try:
-                client.abort(rid, timeout_s=timeout)
+                client.abort(rid, timeout_s=timeout, transfer_token=token)
             except Exception as e:  # the worker is gone: nothing left to free there
                 logger.debug("abort of %s on %s failed: %s", rid, client.address, e)
 

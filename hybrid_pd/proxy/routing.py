@@ -3,6 +3,10 @@
 Prefill workers are picked by the fewest outstanding prefill tokens (counted by the proxy);
 decode workers by health, KV headroom and load (Stats refreshed at most every
 `stats_interval_ms`, plus the proxy's own count of streams it has open on each).
+
+Busy is not dead. A worker is dead when a call is refused at the connection (UNAVAILABLE)
+or when its Stats keep failing for `dead_after_s`; a slow answer alone never removes it.
+A worker that answered RESOURCE_EXHAUSTED (its queue is full) is skipped for a moment.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from hybrid_pd.workers.service import sampling_to_pb
 FAILURE_COOLDOWN_S = 2.0
 #: Below this fraction of free KV blocks a decode worker is picked only when all are as full.
 LOW_BLOCKS_FRACTION = 0.1
+#: A worker whose queue was full is skipped for this long.
+FULL_BACKOFF_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class DecodeCall:
     sampling: pb.Sampling
     kv_transfer_params: dict | None = None
     failure_policy: str = ""
+    output_ids: tuple[int, ...] = ()
 
 
 def wants_prefill(prompt_len: int, min_prefill_tokens: int, num_prefill_workers: int) -> bool:
@@ -61,11 +68,15 @@ def prepare_decode_request(
     prefill: PrefillResult | None = None,
     failure_policy: str = "",
     attempt: int = 0,
+    output_ids: list[int] | tuple[int, ...] = (),
 ) -> DecodeCall:
     """The Generate leg: with `prefill` (its KV kept on a prefill worker) decode pulls the
-    KV and continues after the first token; without it the decode worker runs it all."""
+    KV and continues after the first token; without it the decode worker runs it all, after
+    `output_ids` when given (a migrated stream: tokens already produced elsewhere)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
+    if prefill is not None and output_ids:
+        raise ValueError("a decode leg resumes either from kv_transfer_params or output_ids")
     kv = None
     if prefill is not None:
         if prefill.finished or not prefill.kv_transfer_params:
@@ -79,6 +90,7 @@ def prepare_decode_request(
         sampling_to_pb(params),
         kv,
         failure_policy,
+        tuple(output_ids),
     )
 
 
@@ -96,6 +108,13 @@ class WorkerState:
     failed_at: float = -1e9
     last_error: str = ""
     refreshing: bool = False
+    #: Since when Stats have failed without the connection being refused (None: they work).
+    failing_since: float | None = None
+    #: Its queue was full: skipped until then.
+    full_until: float = -1e9
+
+    def is_full(self, now: float) -> bool:
+        return now < self.full_until
 
     def recently_failed(self, now: float) -> bool:
         return now - self.failed_at < FAILURE_COOLDOWN_S
@@ -125,8 +144,10 @@ class WorkerPool:
         timeout_s: float = 600.0,
         stats_interval_ms: int = 500,
         control_timeout_s: float = 2.0,
+        dead_after_s: float = 10.0,
     ) -> None:
         self._lock = threading.Lock()
+        self.dead_after_s = dead_after_s
         self.stats_interval_s = stats_interval_ms / 1000.0
         self.control_timeout_s = control_timeout_s
         self.workers: dict[str, WorkerState] = {}
@@ -152,6 +173,7 @@ class WorkerPool:
             timeout_s=config.request_timeout_s,
             stats_interval_ms=config.stats_interval_ms,
             control_timeout_s=config.control_timeout_s,
+            dead_after_s=config.dead_after_s,
         )
 
     def close(self) -> None:
@@ -200,7 +222,10 @@ class WorkerPool:
             ready = [
                 w
                 for w in self.with_role("prefill")
-                if id(w) not in skip and w.healthy and not w.recently_failed(now)
+                if id(w) not in skip
+                and w.healthy
+                and not w.recently_failed(now)
+                and not w.is_full(now)
             ]
             if not ready:
                 return None
@@ -215,7 +240,9 @@ class WorkerPool:
         now = time.monotonic()
         skip = set(map(id, exclude))
         with self._lock:
-            ready = [w for w in self.with_role("decode") if id(w) not in skip]
+            ready = [
+                w for w in self.with_role("decode") if id(w) not in skip and not w.is_full(now)
+            ]
             if not ready:
                 return None
             best = min(ready, key=lambda w: w.decode_key(now))
@@ -251,6 +278,18 @@ class WorkerPool:
             w.healthy = True
             w.failed_at = -1e9
             w.last_error = ""
+            w.failing_since = None
+
+    def mark_full(self, w: WorkerState) -> None:
+        """Its queue is full (RESOURCE_EXHAUSTED): alive, but skip it for a moment."""
+        with self._lock:
+            w.full_until = time.monotonic() + FULL_BACKOFF_S
+
+    def live(self, role: str) -> bool:
+        """Whether some worker of `role` is up (healthy, or only briefly failed)."""
+        now = time.monotonic()
+        with self._lock:
+            return any(w.healthy and not w.recently_failed(now) for w in self.with_role(role))
 
     # -- stats ------------------------------------------------------------------------------
     def refresh(self, role: str | None = None, force: bool = False) -> None:
@@ -270,11 +309,16 @@ class WorkerPool:
             try:
                 stats = w.client.stats(timeout_s=self.control_timeout_s)
             except Exception as e:  # grpc.RpcError, or a worker that answers garbage
+                now = time.monotonic()
+                refused = _code_name(e) == "UNAVAILABLE"
                 with self._lock:
                     w.refreshing = False
-                    w.healthy = False
-                    w.failed_at = time.monotonic()
                     w.last_error = _describe(e)
+                    if w.failing_since is None:
+                        w.failing_since = now
+                    if refused or now - w.failing_since >= self.dead_after_s:
+                        w.healthy = False
+                        w.failed_at = now
                 continue
             with self._lock:
                 w.refreshing = False
@@ -282,6 +326,7 @@ class WorkerPool:
                 w.healthy = True
                 w.failed_at = -1e9
                 w.last_error = ""
+                w.failing_since = None
 
     def check_health(self) -> list[dict]:
         """Blocking: ask every worker now; one entry per worker."""
@@ -314,6 +359,16 @@ class WorkerPool:
                     }
                 )
             return out
+
+
+def _code_name(e: BaseException) -> str | None:
+    code = getattr(e, "code", None)
+    if callable(code):
+        try:
+            return code().name
+        except Exception:  # not a finished RPC
+            return None
+    return None
 
 
 def _describe(e: BaseException) -> str:

@@ -78,6 +78,7 @@ class WorkerClient:
         kv_transfer_params: dict | None = None,
         failure_policy: str = "",
         timeout_s: float | None = None,
+        output_ids: list[int] | tuple[int, ...] = (),
     ) -> Iterator[pb.GenerateChunk]:
         """The stream of chunks; it is also a grpc.Call: `.cancel()` ends it (and the request
         on the worker)."""
@@ -90,6 +91,7 @@ class WorkerClient:
                 if kv_transfer_params
                 else "",
                 failure_policy=failure_policy,
+                output_ids=list(output_ids),
             ),
             timeout=timeout_s or self.timeout_s,
             metadata=self._metadata,
@@ -112,12 +114,19 @@ class WorkerClient:
                 out.error = chunk.error
         return out
 
-    def abort(self, request_id: str, timeout_s: float | None = None) -> bool:
+    def abort(
+        self, request_id: str, timeout_s: float | None = None, transfer_token: str = ""
+    ) -> bool:
         return self._stub.Abort(
-            pb.AbortRequest(request_id=request_id),
+            pb.AbortRequest(request_id=request_id, transfer_token=transfer_token),
             timeout=timeout_s or self.timeout_s,
             metadata=self._metadata,
         ).ok
+
+    def health(self, timeout_s: float | None = None) -> pb.HealthReply:
+        return self._stub.Health(
+            pb.HealthRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
+        )
 
     def stats(self, timeout_s: float | None = None) -> dict:
         reply = self._stub.Stats(

@@ -182,7 +182,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             except RequestFailed as e:
                 await context.abort(grpc.StatusCode.INTERNAL, str(e))
             if out.finish_reason == "error":  # the KV load failed under policy "fail"
-                await context.abort(grpc.StatusCode.UNAVAILABLE, out.error or "KV load failed")
+                # ABORTED, not UNAVAILABLE: this worker is alive; the proxy must not
+                # treat it as dead (or migrate the request).
+                await context.abort(grpc.StatusCode.ABORTED, out.error or "KV load failed")
             first = pb.GenerateChunk(
                 token_ids=out.token_ids,
                 finished=out.finished,
@@ -208,7 +210,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             stream.close()
 
     async def Abort(self, request, context):
-        """Abort a request wherever it is: queued, running, or kept for a decode worker."""
+        """Abort a request wherever it is: queued, running, or kept for a decode worker.
+
+        Only holders of the control-plane secret (checked by the server's interceptor) may
+        abort by id. A worker running without a secret (--insecure) aborts nothing by id;
+        it drops a kept request only for the caller that shows its transfer token."""
+        if not self.w.config.secret:
+            ok = False
+            if self.w.prefill is not None and request.transfer_token:
+                ok = self.w.prefill.abort_with_token(request.request_id, request.transfer_token)
+            if not ok:
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "Abort needs the control-plane secret or the request's transfer token "
+                    "(cancel your own call to stop it)",
+                )
+            return pb.AbortReply(ok=True)
         req = await asyncio.wrap_future(self.w.loop.abort(request.request_id))
         found = req is not None
         if self.w.decode is not None:

@@ -62,7 +62,8 @@ def test_wrong_transfer_token(env):
     spoofed = first.kv_transfer_params | {"transfer_token": "not-the-token"}
     with pytest.raises(grpc.RpcError, match="wrong transfer token") as e:
         c["decode"].generate("tok-1", p, SAMPLING, spoofed, failure_policy="fail")
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    # ABORTED: the decode worker is alive (the proxy must not take it for dead).
+    assert e.value.code() == grpc.StatusCode.ABORTED
     out = c["decode"].generate("tok-1b", p, SAMPLING, spoofed, failure_policy="recompute")
     assert out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
     assert c["prefill"].stats()["prefill_connector"]["bad_token"] >= 2
@@ -74,8 +75,17 @@ def test_abort_frees_kept_blocks(env):
     p = prompt(30, seed=12)
     first = c["prefill"].prefill("ab-1", p, SAMPLING)
     assert c["prefill"].stats()["leases"] == 1
-    assert c["prefill"].abort("ab-1")
-    assert no_leaks(c["prefill"].stats())
+    # This worker runs without a secret: nobody may abort by id alone (another client's
+    # request), only with the request's transfer token.
+    with pytest.raises(grpc.RpcError) as e:
+        c["prefill"].abort("ab-1")
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError):
+        c["prefill"].abort("ab-1", transfer_token="not-the-token")
+    assert c["prefill"].stats()["leases"] == 1
+    token = first.kv_transfer_params["transfer_token"]
+    assert c["prefill"].abort("ab-1", transfer_token=token)
+    wait_until(lambda: no_leaks(c["prefill"].stats()), 5, "the aborted lease to be freed")
     out = c["decode"].generate("ab-1", p, SAMPLING, first.kv_transfer_params)
     assert out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
     _leak_free(c["decode"])
@@ -103,7 +113,7 @@ def test_layout_mismatch_is_refused_by_name(env):
     assert "layout" in e.value.details().lower()
     out = c["decode_other_layout"].generate("lay-2", p, SAMPLING, first.kv_transfer_params)
     assert out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
-    c["prefill"].abort("lay-1")
+    c["prefill"].abort("lay-1", transfer_token=first.kv_transfer_params["transfer_token"])
     _leak_free(c["prefill"], c["decode_other_layout"])
 
 
@@ -142,8 +152,15 @@ def test_shared_secret_guards_every_rpc(env):
         with pytest.raises(grpc.RpcError) as e:
             WorkerClient(procs[0].address).prefill("sec-0", p, SAMPLING)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for rpc in ("stats", "health"):
+            with pytest.raises(grpc.RpcError) as e:
+                getattr(WorkerClient(procs[1].address), rpc)()
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         prefill, decode = (WorkerClient(w.address, secret="s3cret") for w in procs)
         first = prefill.prefill("sec-1", p, SAMPLING)
+        with pytest.raises(grpc.RpcError) as e:  # Abort without the secret: refused
+            WorkerClient(procs[0].address).abort("sec-1")
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         out = decode.generate("sec-1", p, SAMPLING, first.kv_transfer_params)
         assert not out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
         _leak_free(prefill, decode)

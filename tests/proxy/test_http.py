@@ -130,7 +130,9 @@ def test_metrics(http):
 
 def test_no_worker_available(tiny_path):
     """Nothing listens at the only decode address: 503 on requests, /health says so."""
-    handle = make_proxy(tiny_path, decode_addresses=(free_address(),), control_timeout_s=1.0)
+    handle = make_proxy(
+        tiny_path, decode_addresses=(free_address(),), control_timeout_s=1.0, queue_timeout_s=1.0
+    )
     try:
         with httpx.Client(base_url=handle.url, timeout=20) as c:
             body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import grpc
 import pytest
@@ -87,7 +88,21 @@ def test_prepare_requests():
 
 
 # -- worker picking -------------------------------------------------------------------------
+class RpcFailure(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__(code.name)
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._code.name.lower()
+
+
 class StubClient:
+    """Stats from a dict; None: the connection is refused; a StatusCode: that error."""
+
     def __init__(self, address, stats=None):
         self.address = address
         self._stats = stats
@@ -96,7 +111,9 @@ class StubClient:
     def stats(self, timeout_s=None):
         self.stats_calls += 1
         if self._stats is None:
-            raise grpc.RpcError("down")
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE)
+        if isinstance(self._stats, grpc.StatusCode):
+            raise RpcFailure(self._stats)
         return dict(self._stats)
 
     def close(self):
@@ -214,3 +231,29 @@ def test_parse_requests(tok):
     with pytest.raises(ProxyError) as e:
         parse_completion({"model": "other", "prompt": "x"}, ctx)
     assert e.value.status == 404 and "tiny" in e.value.message
+
+
+def test_slow_worker_is_not_dead_until_it_fails_for_a_while():
+    """Stats timing out is busy, not dead: the worker stays pickable until its checks have
+    failed for dead_after_s; a refused connection counts at once."""
+    slow = StubClient("slow:1", grpc.StatusCode.DEADLINE_EXCEEDED)
+    pool = WorkerPool([], [slow], stats_interval_ms=0, dead_after_s=0.3)
+    w = pool.workers["slow:1"]
+    assert pool.pick_decode() is w and w.healthy and "DEADLINE_EXCEEDED" in w.last_error
+    time.sleep(0.35)
+    assert pool.pick_decode() is None and not w.healthy
+    slow._stats = stats(50)
+    assert pool.pick_decode() is w and w.healthy  # back: answered again
+    slow._stats = None
+    assert pool.pick_decode() is None and not pool.live("decode")
+
+
+def test_full_worker_is_skipped_for_a_moment():
+    a, b = StubClient("a:1", stats(90)), StubClient("b:1", stats(10))
+    pool = WorkerPool([], [a, b], stats_interval_ms=0)
+    wa = pool.workers["a:1"]
+    assert pool.pick_decode() is wa
+    pool.mark_full(wa)
+    assert pool.pick_decode().address == "b:1" and pool.live("decode")
+    time.sleep(0.15)
+    assert pool.pick_decode() is wa
