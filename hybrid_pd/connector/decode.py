@@ -60,7 +60,10 @@ class DecodeConnector:
         secret: str | None = None,
         timeout_s: float = 30.0,
         max_parallel_pulls: int = 8,
+        peers: tuple[str, ...] = (),
     ) -> None:
+        """`peers`: control addresses of the prefill workers this worker may dial (more
+        come through `add_peers`); kv_transfer_params naming any other address fail."""
         self.engine_id = engine_id
         self.layout = layout
         self.transport = transport
@@ -68,6 +71,7 @@ class DecodeConnector:
         self._metadata = call_metadata(secret)
         self.timeout_s = timeout_s
         self._peers: dict[str, _Peer] = {}
+        self._known: set[str] = set(peers)
         self._lock = threading.Lock()
         # Tags: a random per-connector base plus a counter, 2**16 messages per transfer.
         self._tag_base = secrets.randbits(24) << 40
@@ -117,11 +121,28 @@ class DecodeConnector:
         """`abort` on the control thread (the request was dropped before its pull)."""
         self._control.submit(self.abort, params)
 
+    def add_peers(self, addresses) -> None:
+        """Prefill workers (control addresses) this worker may dial from now on."""
+        with self._lock:
+            self._known.update(addresses)
+
+    @property
+    def known_peers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._known)
+
     def _peer(self, address: str) -> _Peer:
         with self._lock:
             peer = self._peers.get(address)
+            known = address in self._known
         if peer is not None:
             return peer
+        if not known:
+            # Never dial (and send the secret to) an address taken from a request.
+            raise TransferFailed(
+                f"{address} is not a known prefill worker of this decode worker "
+                "(peers come from the proxy's registry or --peer)"
+            )
         channel = grpc.insecure_channel(address)
         stub = pb_grpc.KVControlStub(channel)
         try:

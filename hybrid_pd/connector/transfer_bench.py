@@ -153,6 +153,7 @@ def bench_transfer(
             for r in range(repeats):
                 parent.send(("lease", f"r{n}-{r}", n))
                 params = KVTransferParams.from_dict(_recv(parent, proc))
+                decode.add_peers([params.control_address])
                 rid = RequestId(params.request_id)
                 ids = kv.allocate_external(rid, list(range(n + 1)), n)
                 stats = decode.pull(params, ids)

@@ -33,6 +33,7 @@ class DecodeRole:
         secret: str | None,
         timeout_s: float,
         failure_policy: str,
+        peers: tuple[str, ...] = (),
     ) -> None:
         if failure_policy not in POLICIES:
             raise ValueError(f"failure policy must be one of {POLICIES}")
@@ -46,6 +47,7 @@ class DecodeRole:
             region=region,
             secret=secret,
             timeout_s=timeout_s,
+            peers=peers,
         )
 
     def attach(self, loop: EngineLoop) -> None:
@@ -86,7 +88,10 @@ class DecodeRole:
         self.connector.keep_alive(pending)
 
     def stats(self) -> dict:
-        return {"decode_connector": dict(self.connector.stats)}
+        return {
+            "decode_connector": dict(self.connector.stats),
+            "peers": self.connector.known_peers,
+        }
 
     def close(self) -> None:
         self.connector.close()

@@ -215,6 +215,8 @@ def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 def _cmd_generate_pd(args: argparse.Namespace) -> int:
     """One prefill and one decode worker process on 127.0.0.1; this process is the proxy."""
+    import secrets
+
     from hybrid_pd.engine.tiny import resolve_model
     from hybrid_pd.engine.tokenizer import Tokenizer
     from hybrid_pd.launcher.local import start_worker
@@ -235,11 +237,13 @@ def _cmd_generate_pd(args: argparse.Namespace) -> int:
     ]
     if args.device:
         common += ["--device", args.device]
+    secret = secrets.token_urlsafe(32)  # closed by default; it reaches them by environment
     workers = []
     try:
-        workers.append(start_worker("prefill", *common))
-        workers.append(start_worker("decode", *common))
-        prefill, decode = (WorkerClient(w.address) for w in workers)
+        workers.append(start_worker("prefill", *common, secret=secret))
+        peer = ("--peer", workers[0].address)  # the only prefill worker it may pull from
+        workers.append(start_worker("decode", *common, *peer, secret=secret))
+        prefill, decode = (WorkerClient(w.address, secret=secret) for w in workers)
         sampling = sampling_to_pb(params)
         first = prefill.prefill("cli-0", prompt, sampling)
         if first.finished:
@@ -277,7 +281,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="proxy address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="proxy port (default 8000; 0 picks one)")
     p.add_argument("--kv-memory", help="KV memory per worker (default 1GiB)")
-    p.add_argument("--secret", help="shared secret for all worker RPCs")
+    p.add_argument(
+        "--secret",
+        help="shared secret for all worker RPCs (visible in `ps`: prefer --secret-file or "
+        "HYBRID_PD_SECRET); embedded mode makes one when none is given",
+    )
+    p.add_argument("--secret-file", help="read the shared secret from this file")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="join a cluster (--address) without a secret: worker RPCs open to the network",
+    )
     p.add_argument("--device", help="torch device of the workers (e.g. cuda)")
     p.add_argument("--failure-policy", choices=("recompute", "fail"))
     p.add_argument(
@@ -288,7 +303,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_serve)
 
 
+#: `serve`'s exit status when a worker pool is lost for good (the supervisor gave up).
+EXIT_POOL_LOST = 3
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
     import signal
     import threading
 
@@ -303,28 +323,39 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "port",
         "kv_memory",
         "secret",
+        "secret_file",
+        "insecure",
         "device",
         "failure_policy",
         "min_prefill_tokens",
         "threads",
+        "ucx_tls",
     )
     overrides = {k: getattr(args, k) for k in keys}
     if args.config:
         config = ServeConfig.from_yaml(args.config, **overrides)
+        if args.secret is not None or args.secret_file is not None:
+            # A secret on the command line replaces the file's, whichever form each takes.
+            config = dataclasses.replace(config, secret=args.secret, secret_file=args.secret_file)
     else:
         config = ServeConfig(**{k: v for k, v in overrides.items() if v is not None})
+    config = config.resolved()  # refuse a cluster without a secret before starting anything
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
-    deployment = Deployment(config)
+    deployment = Deployment(config, on_failure=lambda _reason: done.set())
     try:
-        wait_ready(deployment.url)
-        print(
-            f"hybrid-pd serving {config.model} at {deployment.url}/v1 "
-            f"({config.prefill} prefill, {config.decode} decode workers)",
-            flush=True,
-        )
+        wait_ready(deployment.url, abort=done)
+        if not done.is_set():
+            print(
+                f"hybrid-pd serving {config.model} at {deployment.url}/v1 "
+                f"({config.prefill} prefill, {config.decode} decode workers)",
+                flush=True,
+            )
         done.wait()
+        if deployment.failure is not None:
+            print(f"hybrid-pd serve: error: {deployment.failure}", file=sys.stderr, flush=True)
+            return EXIT_POOL_LOST
     finally:
         deployment.close()
     return 0

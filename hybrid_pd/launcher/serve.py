@@ -3,25 +3,61 @@
 ray.init (embedded local instance, or --address of a cluster)
 N prefill actors (resource "prefill"), M decode actors (resource "decode")
 proxy on host:port routing through their gRPC addresses
-supervisor: follows actor restarts (new addresses) and reports health
+supervisor: follows actor restarts (new addresses) and reports health; re-creates an actor that
+  Ray will not bring back (restart budget spent, node gone), a bounded number of times, and
+  otherwise marks the deployment failed (`serve` then exits non-zero, never sits in 503s)
+
+Control plane: every worker RPC needs the shared secret. Embedded mode makes one when none is
+given; joining a cluster without one is refused unless `insecure` is set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
+import secrets
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from hybrid_pd.engine.engine import EngineConfig
 from hybrid_pd.kvcache.planner import parse_bytes
+from hybrid_pd.workers.main import SECRET_ENV, given_secret
 from hybrid_pd.workers.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "localhost")
+
+
+def resolve_secret(
+    secret: str | None,
+    secret_file: str | None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    embedded: bool,
+    insecure: bool = False,
+) -> str | None:
+    """The control-plane secret of a deployment. Precedence: `secret`, `secret_file` (its
+    contents, stripped), the HYBRID_PD_SECRET environment variable; then, with none of those,
+    a fresh random one in embedded mode, and in cluster mode a refusal (ValueError) unless
+    `insecure`, which runs the workers open (None)."""
+    given = given_secret(secret, secret_file, dict(os.environ if environ is None else environ))
+    if given is not None:
+        return given
+    if embedded:
+        return secrets.token_urlsafe(32)
+    if insecure:
+        logger.warning("joining a Ray cluster WITHOUT a control-plane secret (--insecure)")
+        return None
+    raise ValueError(
+        "joining a Ray cluster (--address) needs a control-plane secret: give --secret-file "
+        f"PATH or set {SECRET_ENV} (or pass --insecure to run the worker RPCs open)"
+    )
 
 
 @dataclass(frozen=True)
@@ -33,12 +69,23 @@ class ServeConfig:
     host: str = "127.0.0.1"  # proxy
     port: int = 8000
     kv_memory: str = "1GiB"
+    #: The control-plane secret; see `resolve_secret` for where else it comes from.
     secret: str | None = None
+    #: A file holding the secret (read when `secret` is not set).
+    secret_file: str | None = None
+    #: Allow joining a cluster with no secret at all (worker RPCs open to the network).
+    insecure: bool = False
     device: str | None = None
     failure_policy: str = "recompute"
     min_prefill_tokens: int = 32
     lease_s: float = 30.0
+    #: Ray restarts of one worker actor (same actor, new process).
     max_restarts: int = 3
+    #: Fresh actors made for one worker slot once Ray cannot bring its actor back.
+    max_recreates: int = 2
+    #: How long a worker may stay unreachable (restarting, pending, starting) before it
+    #: counts as lost; covers loading the model on a fresh actor.
+    restore_timeout_s: float = 300.0
     threads: int | None = None
     #: Where workers serve gRPC: "auto" = the Ray node's address (clusters), else a host.
     worker_host: str | None = None
@@ -51,6 +98,12 @@ class ServeConfig:
         parse_bytes(self.kv_memory)  # validates
         if self.failure_policy not in ("recompute", "fail"):
             raise ValueError("failure_policy must be 'recompute' or 'fail'")
+        if self.max_restarts < 0 or self.max_recreates < 0:
+            raise ValueError("max_restarts and max_recreates must be >= 0")
+        if self.restore_timeout_s <= 0:
+            raise ValueError("restore_timeout_s must be > 0")
+        if not isinstance(self.insecure, bool):
+            raise ValueError("insecure must be true or false")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> ServeConfig:
@@ -67,6 +120,18 @@ class ServeConfig:
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**data)
 
+    def resolved(self, environ: Mapping[str, str] | None = None) -> ServeConfig:
+        """This config with its secret settled (`secret` set, `secret_file` cleared): see
+        `resolve_secret`. Raises ValueError where a cluster would be joined without one."""
+        secret = resolve_secret(
+            self.secret,
+            self.secret_file,
+            environ,
+            embedded=self.address is None,
+            insecure=self.insecure,
+        )
+        return dataclasses.replace(self, secret=secret, secret_file=None)
+
     def worker_config(self, role: str, model_path: str) -> WorkerConfig:
         host = self.worker_host or ("127.0.0.1" if self.address is None else "auto")
         return WorkerConfig(
@@ -81,24 +146,70 @@ class ServeConfig:
             ucx_tls=self.ucx_tls,
         )
 
+    def __repr__(self) -> str:  # never print the secret
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        if shown["secret"] is not None:
+            shown["secret"] = "***"
+        return "ServeConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+def _one_line(text: object, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _death_cause(info: Mapping[str, Any]) -> str:
+    """Ray's reason for an actor's death (actor table DeathCause), as one short line."""
+    cause = info.get("DeathCause")
+    try:
+        which = cause.WhichOneof("context")
+        context = getattr(cause, which)
+        text = getattr(context, "error_message", "") or getattr(
+            context, "formatted_exception_string", ""
+        )
+    except Exception:  # no cause recorded, or another shape of it
+        return "no cause recorded"
+    return _one_line(text).rstrip(".") or (which or "no cause recorded").replace("_", " ")
+
 
 class Deployment:
-    """A running service: Ray actors, the proxy, and the supervisor thread."""
+    """A running service: Ray actors, the proxy, and the supervisor thread.
 
-    def __init__(self, config: ServeConfig) -> None:
+    `failed` is set (and `failure` says why, in one line naming the pool) once a worker is
+    lost for good: Ray will not restart its actor and `max_recreates` fresh actors did not
+    bring it back either. `on_failure(reason)` is called then, from the supervisor thread."""
+
+    #: Seconds the supervisor waits for the workers' addresses in one round.
+    probe_timeout_s = 10.0
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        on_failure: Callable[[str], None] | None = None,
+        supervise_every_s: float = 2.0,
+    ) -> None:
         import ray
 
         from hybrid_pd.engine.tiny import TINY_NAME, resolve_model
         from hybrid_pd.launcher.actors import WorkerActor
-        from hybrid_pd.proxy.config import ProxyConfig
-        from hybrid_pd.proxy.routing import WorkerPool
-        from hybrid_pd.proxy.server import ProxyHandle
 
+        config = config.resolved()  # the secret: given, generated (embedded) or refused
         self.config = config
+        self.failed = threading.Event()
+        self.failure: str | None = None
+        self._on_failure = on_failure
+        self._every_s = supervise_every_s
+        self._stop = threading.Event()
+        self.health: dict[str, Any] = {}
+        # Per worker slot (role, index): unreachable since, why, fresh actors made so far.
+        self._down_since: dict[tuple[str, int], float] = {}
+        self._down_reason: dict[tuple[str, int], str] = {}
+        self._recreates: dict[tuple[str, int], int] = {}
         model_path = str(resolve_model(config.model))  # builds `tiny` once, before workers
         # Each worker resolves `tiny` on its own node (built there if missing); a checkpoint
         # path must exist at the same place on every node.
-        worker_model = config.model if config.model == TINY_NAME else model_path
+        self._worker_model = config.model if config.model == TINY_NAME else model_path
         if config.address is None:
             ray.init(
                 address="local",  # always a new instance, even if another one runs here
@@ -110,20 +221,37 @@ class Deployment:
             )
         else:
             ray.init(address=config.address, log_to_driver=False)
-        gpu = 1 if (config.device or "").startswith("cuda") else 0
-        remote = ray.remote(WorkerActor)
+        self._gpu = 1 if (config.device or "").startswith("cuda") else 0
+        self._remote = ray.remote(WorkerActor)
         self.actors: dict[str, list] = {"prefill": [], "decode": []}
-        for role, count in (("prefill", config.prefill), ("decode", config.decode)):
-            for _ in range(count):
-                actor = remote.options(
-                    resources={role: 1},
-                    num_cpus=0,
-                    num_gpus=gpu,
-                    max_restarts=config.max_restarts,
-                    max_task_retries=0,
-                ).remote(config.worker_config(role, worker_model), config.threads)
-                self.actors[role].append(actor)
-        self.addresses = self._addresses(timeout=300)
+        try:
+            for role, count in (("prefill", config.prefill), ("decode", config.decode)):
+                for _ in range(count):
+                    self.actors[role].append(self._spawn(role))
+            self.addresses = self._addresses(timeout=300)
+            self._start_proxy(model_path)
+        except BaseException:
+            self._kill_actors()
+            ray.shutdown()
+            raise
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True)
+        self._supervisor.start()
+
+    def _spawn(self, role: str):
+        return self._remote.options(
+            resources={role: 1},
+            num_cpus=0,
+            num_gpus=self._gpu,
+            max_restarts=self.config.max_restarts,
+            max_task_retries=0,
+        ).remote(self.config.worker_config(role, self._worker_model), self.config.threads)
+
+    def _start_proxy(self, model_path: str) -> None:
+        from hybrid_pd.proxy.config import ProxyConfig
+        from hybrid_pd.proxy.routing import WorkerPool
+        from hybrid_pd.proxy.server import ProxyHandle
+
+        config = self.config
         proxy_config = ProxyConfig(
             host=config.host,
             port=config.port,
@@ -136,10 +264,6 @@ class Deployment:
         )
         self.pool = WorkerPool.from_config(proxy_config)
         self.proxy = ProxyHandle(proxy_config, self.pool).start()
-        self.health: dict[str, Any] = {}
-        self._stop = threading.Event()
-        self._supervisor = threading.Thread(target=self._supervise, daemon=True)
-        self._supervisor.start()
 
     @property
     def url(self) -> str:
@@ -154,26 +278,116 @@ class Deployment:
             out[role] = ray.get(refs, timeout=timeout) if refs else []
         return out
 
-    def _supervise(self, every_s: float = 2.0) -> None:
-        """Follow restarted actors to their new addresses; record health."""
+    # -- supervision ------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        """Every few seconds: follow restarted actors to their new addresses, record health,
+        and replace or give up on workers Ray will not bring back."""
+        failing_since: float | None = None
+        while not self._stop.wait(self._every_s) and not self.failed.is_set():
+            try:
+                self._supervise_once()
+                failing_since = None
+            except Exception as e:  # e.g. the cluster's head is unreachable
+                logger.warning("supervisor round failed: %s", e)
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > self.config.restore_timeout_s:
+                    self._fail(f"the Ray cluster is unreachable: {_one_line(e)}")
+
+    def _supervise_once(self) -> None:
         import ray
 
-        while not self._stop.wait(every_s):
+        now = time.monotonic()
+        probes = {}
+        for role, actors in self.actors.items():
+            for i, actor in enumerate(actors):
+                state, info = _actor_state(actor)
+                if state == "DEAD":
+                    self._lost(
+                        (role, i),
+                        f"is dead for good after {info.get('NumRestarts', '?')} restarts "
+                        f"(max_restarts {self.config.max_restarts}): {_death_cause(info)}",
+                    )
+                elif state not in (None, "ALIVE"):
+                    self._mark_down((role, i), now, f"actor {state.lower()}{_node_gone(info)}")
+                else:
+                    probes[(role, i)] = actor.address.remote()
+                if self.failed.is_set():
+                    return
+        fresh = {role: list(addresses) for role, addresses in self.addresses.items()}
+        deadline = time.monotonic() + self.probe_timeout_s
+        for key, ref in probes.items():
             try:
-                fresh = self._addresses(timeout=30)
-            except Exception as e:  # an actor is restarting or gone: retry next round
-                logger.warning("worker addresses unavailable: %s", e)
+                address = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as e:  # restarting, or not answering
+                self._mark_down(key, now, _one_line(e, 120))
                 continue
-            if fresh != self.addresses:
-                logger.warning("worker set changed: %s -> %s", self.addresses, fresh)
-                self.pool.sync(fresh["prefill"], fresh["decode"], secret=self.config.secret)
-                self.addresses = fresh
-            for role, actors in self.actors.items():
-                for i, actor in enumerate(actors):
-                    try:
-                        self.health[f"{role}-{i}"] = ray.get(actor.health.remote(), timeout=10)
-                    except Exception as e:
-                        self.health[f"{role}-{i}"] = {"error": str(e)}
+            self._down_since.pop(key, None)
+            self._down_reason.pop(key, None)
+            fresh[key[0]][key[1]] = address
+        for key, since in list(self._down_since.items()):
+            if now - since > self.config.restore_timeout_s:
+                waited = self.config.restore_timeout_s
+                self._lost(key, f"is not back within {waited:.0f} s ({self._down_reason[key]})")
+                if self.failed.is_set():
+                    return
+        if fresh != self.addresses:
+            logger.warning("worker set changed: %s -> %s", self.addresses, fresh)
+            self.pool.sync(fresh["prefill"], fresh["decode"], secret=self.config.secret)
+            self.addresses = fresh
+        for role, actors in self.actors.items():
+            for i, actor in enumerate(actors):
+                if self._stop.is_set():
+                    return
+                if (role, i) in self._down_since:
+                    self.health[f"{role}-{i}"] = {"error": self._down_reason[(role, i)]}
+                    continue
+                try:
+                    self.health[f"{role}-{i}"] = ray.get(actor.health.remote(), timeout=10)
+                except Exception as e:
+                    self.health[f"{role}-{i}"] = {"error": str(e)}
+
+    def _mark_down(self, key: tuple[str, int], now: float, reason: str) -> None:
+        self._down_since.setdefault(key, now)
+        self._down_reason[key] = reason
+
+    def _lost(self, key: tuple[str, int], reason: str) -> None:
+        """The worker in slot `key` will not come back by itself: a fresh actor takes its
+        place while re-creations are left, else the deployment fails."""
+        import ray
+
+        role, i = key
+        name = f"{role}-{i}"
+        used, budget = self._recreates.get(key, 0), self.config.max_recreates
+        if used >= budget:
+            spent = f"all {budget} re-creations spent" if budget else "re-creation is off"
+            self._fail(f"the {role} pool cannot be restored: {name} {reason}; {spent}")
+            return
+        logger.warning("%s %s: re-creating it (%d of %d)", name, reason, used + 1, budget)
+        try:
+            ray.kill(self.actors[role][i], no_restart=True)
+        except Exception:  # already gone
+            pass
+        try:
+            self.actors[role][i] = self._spawn(role)
+        except Exception as e:
+            self._fail(
+                f"the {role} pool cannot be restored: {name} {reason}; "
+                f"re-creating it failed: {_one_line(e)}"
+            )
+            return
+        self._recreates[key] = used + 1
+        self._down_since[key] = time.monotonic()  # the fresh actor gets the whole timeout
+        self._down_reason[key] = f"re-created ({used + 1} of {budget}) after it {reason}"
+
+    def _fail(self, reason: str) -> None:
+        if self.failed.is_set():
+            return
+        self.failure = _one_line(reason, 1000)
+        logger.error("%s", self.failure)
+        self.failed.set()
+        if self._on_failure is not None:
+            self._on_failure(self.failure)
 
     def worker_stats(self) -> dict[str, dict]:
         import ray
@@ -184,27 +398,75 @@ class Deployment:
             for i, a in enumerate(actors)
         }
 
+    def _kill_actors(self) -> None:
+        import ray
+
+        for actors in self.actors.values():
+            for a in actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:  # already gone
+                    pass
+
     def close(self) -> None:
         import ray
 
         self._stop.set()
-        self._supervisor.join(timeout=10)
+        self._supervisor.join(timeout=30)
         self.proxy.stop()
+        # Graceful shutdown where a worker answers; one that is dead or still pending does
+        # not hold the exit up for more than the bound.
+        refs = []
         for actors in self.actors.values():
             for a in actors:
                 try:
-                    ray.get(a.shutdown.remote(), timeout=30)
+                    refs.append(a.shutdown.remote())
                 except Exception:  # already dead
                     pass
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=30)
+        self._kill_actors()
         ray.shutdown()  # stops the embedded instance; only disconnects from a cluster
 
 
-def wait_ready(url: str, timeout: float = 120.0) -> None:
-    """Block until the proxy's /health answers 200."""
+def _actor_state(actor) -> tuple[str | None, dict[str, Any]]:
+    """The actor's state in Ray's actor table ("ALIVE", "RESTARTING", "DEAD", ...) and its
+    entry; (None, {}) where the table cannot be read (the supervisor then only probes)."""
+    try:
+        from ray._private.state import actors as actor_table
+
+        info = actor_table(actor_id=actor._actor_id.hex())
+    except Exception as e:
+        logger.debug("actor table unavailable: %s", e)
+        return None, {}
+    return (info.get("State"), info) if info else (None, {})
+
+
+def _node_gone(info: Mapping[str, Any]) -> str:
+    """A note that the node the actor last lived on is dead (", its node <ip> is gone"),
+    else ""."""
+    import ray
+
+    node_id = (info.get("Address") or {}).get("NodeID")
+    if not node_id or set(node_id) in ({"f"}, {"0"}):  # none recorded (nil id)
+        return ""
+    try:
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id and not node.get("Alive", True):
+                return f", its node {node.get('NodeManagerAddress', node_id)} is gone"
+    except Exception:
+        pass
+    return ""
+
+
+def wait_ready(url: str, timeout: float = 120.0, abort: threading.Event | None = None) -> None:
+    """Block until the proxy's /health answers 200 (or, quietly, until `abort` is set)."""
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if abort is not None and abort.is_set():
+            return
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
                 return

@@ -59,6 +59,11 @@ class WorkerStub:
                 request_serializer=hybrid__pd_dot_proto_dot_worker__pb2.HealthRequest.SerializeToString,
                 response_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.HealthReply.FromString,
                 _registered_method=True)
+        self.AddPeers = channel.unary_unary(
+                '/hybridpd.worker.Worker/AddPeers',
+                request_serializer=hybrid__pd_dot_proto_dot_worker__pb2.AddPeersRequest.SerializeToString,
+                response_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.AddPeersReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -98,6 +103,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddPeers(self, request, context):
+        """Decode role: prefill workers (control addresses) this worker may pull KV from. A decode
+        worker never dials an address it only read in a request's kv_transfer_params.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -125,6 +138,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.HealthRequest.FromString,
                     response_serializer=hybrid__pd_dot_proto_dot_worker__pb2.HealthReply.SerializeToString,
+            ),
+            'AddPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddPeers,
+                    request_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.AddPeersRequest.FromString,
+                    response_serializer=hybrid__pd_dot_proto_dot_worker__pb2.AddPeersReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -262,6 +280,33 @@ class Worker:
             '/hybridpd.worker.Worker/Health',
             hybrid__pd_dot_proto_dot_worker__pb2.HealthRequest.SerializeToString,
             hybrid__pd_dot_proto_dot_worker__pb2.HealthReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridpd.worker.Worker/AddPeers',
+            hybrid__pd_dot_proto_dot_worker__pb2.AddPeersRequest.SerializeToString,
+            hybrid__pd_dot_proto_dot_worker__pb2.AddPeersReply.FromString,
             options,
             channel_credentials,
             insecure,

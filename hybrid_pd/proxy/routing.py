@@ -11,6 +11,7 @@ A worker that answered RESOURCE_EXHAUSTED (its queue is full) is skipped for a m
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -20,6 +21,8 @@ from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proxy.worker_client import PrefillResult, WorkerClient
 from hybrid_pd.workers.service import sampling_to_pb
+
+logger = logging.getLogger(__name__)
 
 #: A worker whose RPC failed is skipped for this long (unless a Stats call shows it is back).
 FAILURE_COOLDOWN_S = 2.0
@@ -320,6 +323,7 @@ class WorkerPool:
                         w.healthy = False
                         w.failed_at = now
                 continue
+            self._introduce_peers(w, stats)
             with self._lock:
                 w.refreshing = False
                 w.stats = stats
@@ -327,6 +331,20 @@ class WorkerPool:
                 w.failed_at = -1e9
                 w.last_error = ""
                 w.failing_since = None
+
+    def _introduce_peers(self, w: WorkerState, stats: dict) -> None:
+        """A decode worker pulls KV only from prefill workers it knows: tell it ours."""
+        if "decode" not in w.roles or "peers" not in stats:
+            return
+        with self._lock:
+            ours = {p.address for p in self.with_role("prefill")}
+        missing = sorted(ours - set(stats["peers"]))
+        if not missing:
+            return
+        try:
+            stats["peers"] = w.client.add_peers(missing, timeout_s=self.control_timeout_s)
+        except Exception as e:  # its pulls from them fail (and recompute) until next time
+            logger.warning("could not register prefill workers with %s: %s", w.address, e)
 
     def check_health(self) -> list[dict]:
         """Blocking: ask every worker now; one entry per worker."""

@@ -123,6 +123,15 @@ class WorkerClient:
             metadata=self._metadata,
         ).ok
 
+    def add_peers(self, addresses: list[str], timeout_s: float | None = None) -> list[str]:
+        """Tell a decode worker which prefill workers it may pull from; returns all it knows."""
+        reply = self._stub.AddPeers(
+            pb.AddPeersRequest(prefill_addresses=addresses),
+            timeout=timeout_s or self.timeout_s,
+            metadata=self._metadata,
+        )
+        return list(reply.known)
+
     def health(self, timeout_s: float | None = None) -> pb.HealthReply:
         return self._stub.Health(
             pb.HealthRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata

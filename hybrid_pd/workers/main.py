@@ -2,6 +2,9 @@
 
 Prints one JSON line ({"address": ..., "engine_id": ...}) on stdout when serving, then
 serves until SIGTERM/SIGINT or until stdin closes (so a parent that dies takes it along).
+
+The control-plane secret comes from `--secret` (visible in `ps`: avoid it), `--secret-file`
+or the environment variable HYBRID_PD_SECRET, in that order of precedence.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -16,6 +20,39 @@ import threading
 from hybrid_pd.engine.engine import EngineConfig
 from hybrid_pd.kvcache.planner import parse_bytes
 from hybrid_pd.workers.worker import ROLES, Worker, WorkerConfig
+
+#: The environment variable that carries the control-plane secret (not the command line).
+SECRET_ENV = "HYBRID_PD_SECRET"
+
+
+def read_secret_file(path: str) -> str:
+    """The secret stored in `path` (surrounding whitespace stripped); missing or empty files
+    are errors."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            secret = f.read().strip()
+    except FileNotFoundError:
+        raise ValueError(f"secret file {path}: no such file") from None
+    except OSError as e:
+        raise ValueError(f"secret file {path}: cannot read it ({e.strerror})") from None
+    if not secret:
+        raise ValueError(f"secret file {path} is empty")
+    return secret
+
+
+def given_secret(
+    secret: str | None, secret_file: str | None, environ: dict[str, str] | None = None
+) -> str | None:
+    """The secret the operator gave, by precedence: `secret`, then `secret_file`, then the
+    HYBRID_PD_SECRET environment variable (an empty variable counts as unset); None if none."""
+    if secret is not None:
+        if not secret.strip():
+            raise ValueError("the secret is empty")
+        return secret
+    if secret_file is not None:
+        return read_secret_file(secret_file)
+    value = (os.environ if environ is None else environ).get(SECRET_ENV, "").strip()
+    return value or None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,11 +65,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-memory", default="256MiB")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--secret", default=None)
+    p.add_argument(
+        "--secret",
+        default=None,
+        help=f"control-plane secret (visible in ps: prefer --secret-file or ${SECRET_ENV})",
+    )
+    p.add_argument("--secret-file", default=None, help="read the control-plane secret from here")
     p.add_argument("--lease-s", type=float, default=30.0)
     p.add_argument("--failure-policy", choices=("recompute", "fail"), default="recompute")
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--ucx-tls", default=None, help="UCX transports, e.g. tcp,self")
+    p.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        help="decode role: a prefill worker (host:port) it may pull KV from; repeatable "
+        "(a proxy adds the ones it knows)",
+    )
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=256,
+        help="requests admitted but waiting for their first token; beyond: RESOURCE_EXHAUSTED",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes")
     return p.parse_args(argv)
@@ -40,6 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        secret = given_secret(args.secret, args.secret_file)
+    except ValueError as e:
+        print(f"hybrid-pd-worker: error: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
@@ -60,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
             block_size=args.block_size,
             max_num_seqs=args.max_num_seqs,
         ),
-        secret=args.secret,
+        secret=secret,
         lease_s=args.lease_s,
         failure_policy=args.failure_policy,
         transfer_timeout_s=args.transfer_timeout_s,
         ucx_tls=args.ucx_tls,
+        peers=tuple(args.peer),
+        max_queued=args.max_queued,
     )
     worker = Worker(config)
     done = threading.Event()

@@ -237,6 +237,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Stats(self, request, context):
         return pb.StatsReply(json=json.dumps(self.w.stats()))
 
+    async def AddPeers(self, request, context):
+        if self.w.decode is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
+        self.w.decode.connector.add_peers(list(request.prefill_addresses))
+        return pb.AddPeersReply(known=self.w.decode.connector.known_peers)
+
     async def Health(self, request, context):
         return pb.HealthReply(
             engine_id=self.w.engine_id,

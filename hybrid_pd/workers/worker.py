@@ -55,6 +55,9 @@ class WorkerConfig:
     #: UCX transports (UCX_TLS syntax, e.g. "tcp,self"); None: UCX's choice.
     ucx_tls: str | None = None
     max_queued: int = DEFAULT_MAX_QUEUED
+    #: Decode role: prefill workers (control addresses) it may pull from at start; the
+    #: proxy adds the rest (AddPeers).
+    peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -109,6 +112,7 @@ class Worker:
                 secret=config.secret,
                 timeout_s=config.transfer_timeout_s,
                 failure_policy=config.failure_policy,
+                peers=tuple(config.peers),
             )
         connector = KVConnector(
             scheduler=self.prefill.connector if self.prefill else None,

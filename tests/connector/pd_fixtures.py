@@ -24,7 +24,8 @@ class Pair:
         self.procs: list[WorkerProcess] = []
         try:
             self.procs.append(start_worker("prefill", *common, *prefill_args, env=env, log=log))
-            self.procs.append(start_worker("decode", *common, *decode_args, log=log))
+            peer = ("--peer", self.procs[0].address)
+            self.procs.append(start_worker("decode", *common, *peer, *decode_args, log=log))
         except BaseException:
             self.close()
             raise

@@ -6,6 +6,8 @@ Decode's policy on a failed pull: `recompute` (run the prompt locally; output un
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 import pytest
 
@@ -37,8 +39,9 @@ def env(tmp_path_factory):
     procs = {}
     try:
         procs["prefill"] = start_worker("prefill", *common, "--lease-s", LEASE_S)
-        procs["decode"] = start_worker("decode", *common, "--transfer-timeout-s", "10")
-        procs["decode_other_layout"] = start_worker("decode", *common, "--block-size", "16")
+        peer = ("--peer", procs["prefill"].address)
+        procs["decode"] = start_worker("decode", *common, *peer, "--transfer-timeout-s", "10")
+        procs["decode_other_layout"] = start_worker("decode", *common, *peer, "--block-size", "16")
         clients = {k: WorkerClient(p.address, timeout_s=60) for k, p in procs.items()}
         yield path, common, procs, clients, reference_engine(path)
     finally:
@@ -123,6 +126,7 @@ def test_prefill_killed(env, when):
     fault = {"HYBRID_PD_INJECT_FAULT": "exit_during_pull"} if when == "during" else {}
     doomed = start_worker("prefill", *common, env=fault)
     try:
+        c["decode"].add_peers([doomed.address])
         client = WorkerClient(doomed.address, timeout_s=60)
         p = prompt(70, seed=15)
         first = client.prefill(f"kill-{when}", p, SAMPLING)
@@ -147,7 +151,8 @@ def test_shared_secret_guards_every_rpc(env):
     procs = []
     try:
         procs.append(start_worker("prefill", *common, "--secret", "s3cret"))
-        procs.append(start_worker("decode", *common, "--secret", "s3cret"))
+        peer = ("--peer", procs[0].address)
+        procs.append(start_worker("decode", *common, *peer, "--secret", "s3cret"))
         p = prompt(20, seed=16)
         with pytest.raises(grpc.RpcError) as e:
             WorkerClient(procs[0].address).prefill("sec-0", p, SAMPLING)
@@ -167,3 +172,25 @@ def test_shared_secret_guards_every_rpc(env):
     finally:
         for w in procs:
             w.stop()
+
+
+def test_decode_never_dials_an_address_from_the_request(env):
+    """kv_transfer_params naming an address the decode worker does not know as a prefill
+    worker: refused without a single connection there (the secret would go with it)."""
+    _, _, _, c, ref = env
+    p = prompt(36, seed=17)
+    first = c["prefill"].prefill("dial-1", p, SAMPLING)
+    with socket.socket() as trap:
+        trap.bind(("127.0.0.1", 0))
+        trap.listen(8)
+        trap.settimeout(0.5)
+        elsewhere = f"127.0.0.1:{trap.getsockname()[1]}"
+        spoofed = first.kv_transfer_params | {"control_address": elsewhere}
+        with pytest.raises(grpc.RpcError, match="not a known prefill worker"):
+            c["decode"].generate("dial-1", p, SAMPLING, spoofed, failure_policy="fail")
+        out = c["decode"].generate("dial-2", p, SAMPLING, spoofed)  # recompute: still exact
+        assert out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
+        with pytest.raises(TimeoutError):
+            trap.accept()
+    c["prefill"].abort("dial-1", transfer_token=first.kv_transfer_params["transfer_token"])
+    _leak_free(c["prefill"], c["decode"])

@@ -10,8 +10,11 @@ routed to or from the machine's real interfaces.
 
 from __future__ import annotations
 
+import os
 import secrets
+import signal
 import subprocess
+import time
 
 SUBNET = "172.31.250"
 
@@ -70,10 +73,30 @@ class NetnsHosts:
     def cmd(self, name: str, *argv: str) -> list[str]:
         return ["ip", "netns", "exec", self.ns[name], *argv]
 
-    def close(self) -> None:
-        for ns in reversed(self._created):
-            pids = sh("ip", "netns", "pids", ns, check=False).stdout.split()
+    def pids(self) -> list[int]:
+        """Every process living in one of this object's namespaces (and only those)."""
+        out = []
+        for ns in self._created:
+            listed = sh("ip", "netns", "pids", ns, check=False).stdout.split()
+            out += [int(p) for p in listed if p.isdigit()]
+        return out
+
+    def close(self, grace_s: float = 10.0) -> None:
+        """Stop the processes in the namespaces (SIGTERM, up to `grace_s` to exit, then
+        SIGKILL), then delete the namespaces. Nothing outside them is touched."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = self.pids()
             for pid in pids:
-                sh("kill", "-9", pid, check=False)
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+            while pids and time.monotonic() < deadline:
+                time.sleep(0.2)
+                pids = self.pids()
+            if not pids:
+                break
+        for ns in reversed(self._created):
             sh("ip", "netns", "del", ns, check=False)
         self._created.clear()

@@ -45,3 +45,19 @@ def test_serve_embedded_ray_openai_client_and_restart(tmp_path):
     assert result["completion_ok"] and result["stream_ok"]
     assert result["restarted"] and result["after_restart_ok"]
     assert all(v == 0 for v in result["leaked"].values()), result["leaked"]
+
+
+def test_serve_recreates_a_lost_worker_then_gives_up(tmp_path):
+    result = run_in_netns(
+        "tests.launcher.serve_recreate_scenario",
+        180,
+        {"HYBRID_PD_CACHE": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    assert result["secret_set"]
+    assert result["recreated"] and not result["failed_after_first"], result
+    assert result["after_recreate_status"] == 200, result
+    assert result["failed"], result
+    failure = result["failure"]
+    assert failure.startswith("the decode pool cannot be restored: decode-0 is dead for good")
+    assert "all 1 re-creations spent" in failure and "\n" not in failure
+    assert result["callback"] == [failure]
