@@ -300,6 +300,33 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--threads", type=int, help="torch threads per worker")
     p.add_argument("--ucx-tls", help="UCX transports for KV transfers (e.g. tcp,self)")
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        help="per worker: requests waiting for their first token before it refuses more "
+        "(default 256)",
+    )
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        help="proxy: requests held at once; past it new ones get 429 (default 1024)",
+    )
+    p.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        help="proxy: how long a request waits for a worker with room before 429 (default 30)",
+    )
+    p.add_argument(
+        "--max-fallback-prefills",
+        type=int,
+        help="proxy: prefills run on decode workers at once while no prefill worker is up "
+        "(default 4)",
+    )
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        help="proxy: times one stream may move to another decode worker (default 3)",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -330,6 +357,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "min_prefill_tokens",
         "threads",
         "ucx_tls",
+        "max_queued",
+        "max_pending",
+        "queue_timeout_s",
+        "max_fallback_prefills",
+        "max_migrations",
     )
     overrides = {k: getattr(args, k) for k in keys}
     if args.config:

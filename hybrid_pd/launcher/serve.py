@@ -27,7 +27,7 @@ from typing import Any
 from hybrid_pd.engine.engine import EngineConfig
 from hybrid_pd.kvcache.planner import parse_bytes
 from hybrid_pd.workers.main import SECRET_ENV, given_secret
-from hybrid_pd.workers.worker import WorkerConfig
+from hybrid_pd.workers.worker import DEFAULT_MAX_QUEUED, WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,25 @@ class ServeConfig:
     worker_host: str | None = None
     #: UCX transports for KV transfers (UCX_TLS syntax); None: UCX's choice.
     ucx_tls: str | None = None
+    #: Backpressure and failure handling (see docs/architecture.md, "Under load and faults").
+    #: Per worker: requests admitted and waiting for their first token (then 429 upstream).
+    max_queued: int = DEFAULT_MAX_QUEUED
+    #: Proxy: requests held at once; how long one may wait for a worker with room.
+    max_pending: int = 1024
+    queue_timeout_s: float = 30.0
+    #: Proxy: prefills run on decode workers at once while no prefill worker is up.
+    max_fallback_prefills: int = 4
+    #: Proxy: how often one stream may move to another decode worker after a failure.
+    max_migrations: int = 3
 
     def __post_init__(self) -> None:
+        for name in ("max_queued", "max_pending"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_fallback_prefills < 0 or self.max_migrations < 0:
+            raise ValueError("max_fallback_prefills and max_migrations must be >= 0")
+        if self.queue_timeout_s <= 0:
+            raise ValueError("queue_timeout_s must be > 0")
         if self.prefill < 0 or self.decode < 1:
             raise ValueError("serve needs at least one decode worker (--decode >= 1)")
         parse_bytes(self.kv_memory)  # validates
@@ -144,6 +161,7 @@ class ServeConfig:
             lease_s=self.lease_s,
             failure_policy=self.failure_policy,
             ucx_tls=self.ucx_tls,
+            max_queued=self.max_queued,
         )
 
     def __repr__(self) -> str:  # never print the secret
@@ -261,6 +279,10 @@ class Deployment:
             decode_addresses=tuple(self.addresses["decode"]),
             secret=config.secret,
             min_prefill_tokens=config.min_prefill_tokens,
+            max_pending_requests=config.max_pending,
+            queue_timeout_s=config.queue_timeout_s,
+            max_fallback_prefills=config.max_fallback_prefills,
+            max_migrations=config.max_migrations,
         )
         self.pool = WorkerPool.from_config(proxy_config)
         self.proxy = ProxyHandle(proxy_config, self.pool).start()

@@ -204,3 +204,72 @@ def test_prefill_worker_killed_under_load(fleet, tiny_path, reference):
     finally:
         proxy.stop()
     assert_no_leaks([dec])
+
+
+def test_tight_pool_queues_and_nothing_waits_on_a_timeout(fleet, tiny_path, reference):
+    """Pools that hold about two requests each and 12 long prompts at once: the requests
+    wait for blocks in the schedulers (prefill and decode), all finish with exact tokens,
+    and none sits out a transfer timeout or a lease (the old path took 32-128 s here)."""
+    n_new = 16
+    prompts = [prompt(300 + i, 160 + i) for i in range(12)]
+    need = reference.kv.config.blocks_per_request(len(prompts[-1]) + n_new)
+    kv_bytes = str((2 * need + 2) * reference.kv_config.page_size_bytes)
+    tight = ("--kv-memory", kv_bytes)
+    pre = fleet.add("prefill", *tight)
+    dec = fleet.add("decode", *tight, "--transfer-timeout-s", "30")
+    proxy = make_proxy(tiny_path, prefill_addresses=(pre.address,), decode_addresses=(dec.address,))
+    want = expected(reference, prompts, n_new)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as c:
+            return await asyncio.gather(*(stream_tokens(c, body_for(p, n_new)) for p in prompts))
+
+    try:
+        t0 = time.monotonic()
+        results = asyncio.run(run())
+        elapsed = time.monotonic() - t0
+        assert [e for _, e in results if e] == []
+        assert [ids for ids, _ in results] == want
+        assert elapsed < 25, f"{elapsed:.1f} s: something waited on a timeout"
+    finally:
+        proxy.stop()
+    assert_no_leaks([pre, dec])
+
+
+def test_backpressure_holds_then_answers_429(fleet, tiny_path, reference):
+    """A worker that admits two requests at a time: with a long enough hold every request
+    completes (held, never failed); with a short one the excess gets 429 + Retry-After in the
+    OpenAI error shape. Never a 5xx."""
+    dec = fleet.add("decode", "--max-queued", "1", "--max-num-seqs", "2")
+    n_new = 30
+    prompts = [prompt(400 + i, 12) for i in range(16)]
+    want = expected(reference, prompts, n_new)
+
+    async def burst(proxy):
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as c:
+            return await asyncio.gather(
+                *(c.post("/v1/completions", json=body_for(p, n_new)) for p in prompts)
+            )
+
+    held = make_proxy(tiny_path, decode_addresses=(dec.address,), queue_timeout_s=60.0)
+    try:
+        replies = asyncio.run(burst(held))
+        assert [r.status_code for r in replies] == [200] * len(prompts)
+        assert [r.json()["choices"][0]["token_ids"] for r in replies] == want
+    finally:
+        held.stop()
+    impatient = make_proxy(tiny_path, decode_addresses=(dec.address,), queue_timeout_s=0.2)
+    try:
+        replies = asyncio.run(burst(impatient))
+        codes = [r.status_code for r in replies]
+        assert set(codes) <= {200, 429} and 429 in codes and 200 in codes, codes
+        for p, r, w in zip(prompts, replies, want, strict=True):
+            if r.status_code == 429:
+                err = r.json()["error"]
+                assert err["code"] == "overloaded" and err["type"] == "rate_limit_exceeded"
+                assert int(r.headers["retry-after"]) >= 1
+            else:
+                assert r.json()["choices"][0]["token_ids"] == w, p
+    finally:
+        impatient.stop()
+    assert_no_leaks([dec])
