@@ -101,6 +101,8 @@ class DecodeConnector:
         if res.error is not None:
             self.stats["last_error"] = res.error
             logger.warning("KV pull for %s failed: %s", request_id, res.error)
+            if params.control_address in self.known_peers:
+                self.abort_later(params)  # the prefill worker frees it now, not at expiry
         with self._lock:
             self._finished.append(res)
         self.notify()

@@ -232,6 +232,8 @@ class Job:
                         kind="decode_lost" if e.status == 503 else "decode_error",
                     ) from None
                 d.metrics.failure("migrated")
+                if prefill is not None:  # the KV may never be pulled now: free it at once
+                    self._drop_kept_kv()
                 logger.warning(
                     "request %s: decode on %s lost (%s); migrating after %d tokens",
                     self.rid,
@@ -262,6 +264,10 @@ class Job:
 
     async def _decode_leg(self, worker: WorkerState, call, with_kv: bool):
         d = self.d
+        if with_kv:
+            source = call.kv_transfer_params.get("control_address", "")
+            if source and not d.pool.knows_peer(worker, source):
+                await asyncio.to_thread(d.pool.ensure_peer, worker, source)
         stream = worker.client.generate_stream(
             call.request_id,
             call.prompt_ids,
@@ -295,6 +301,8 @@ class Job:
             if not seen and chunk.HasField("transfer") and with_kv:
                 t = chunk.transfer
                 d.metrics.transfer(t.bytes, t.seconds, t.recomputed)
+                if t.recomputed:  # the KV was not pulled: let the prefill worker free it
+                    self._drop_kept_kv()
             if chunk.error:
                 leg.abort()
                 raise _Migrate(f"worker error: {chunk.error}", status=500)
@@ -340,6 +348,12 @@ class Job:
         return ProxyError(
             500, f"decode failed on {worker.address}: {code.name}: {details}", kind="decode_error"
         )
+
+    def _drop_kept_kv(self) -> None:
+        """Abort (with its transfer token) the KV a prefill worker keeps for this request."""
+        for leg in self.legs:
+            if leg.kind == "prefill" and leg.transfer_token:
+                leg.abort()
 
     def _no_worker(self) -> str:
         errors = [

@@ -30,6 +30,7 @@ class Leg:
         self.tokens = tokens
         self.abort_timeout_s = abort_timeout_s
         self.released = False
+        self.aborted = False
         #: A prefill's kept KV: its token lets Abort drop it even on a worker without secret.
         self.transfer_token = ""
         if kind == "prefill":
@@ -48,8 +49,11 @@ class Leg:
 
     def abort(self) -> None:
         """Cancel the RPC (the worker drops the request) and send Abort too, in the
-        background (it must not hold up the event loop)."""
+        background (it must not hold up the event loop). Once only."""
         self.release()
+        if self.aborted:
+            return
+        self.aborted = True
         try:
             self.call.cancel()
         except Exception:  # already finished

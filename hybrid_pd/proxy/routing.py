@@ -115,6 +115,8 @@ class WorkerState:
     failing_since: float | None = None
     #: Its queue was full: skipped until then.
     full_until: float = -1e9
+    #: Decode role: prefill workers it has said it knows (None: not known yet).
+    peers: set[str] | None = None
 
     def is_full(self, now: float) -> bool:
         return now < self.full_until
@@ -338,13 +340,29 @@ class WorkerPool:
             return
         with self._lock:
             ours = {p.address for p in self.with_role("prefill")}
-        missing = sorted(ours - set(stats["peers"]))
-        if not missing:
+            w.peers = set(stats["peers"])
+        self._add_peers(w, ours - set(stats["peers"]))
+
+    def _add_peers(self, w: WorkerState, addresses: set[str]) -> None:
+        if not addresses:
             return
         try:
-            stats["peers"] = w.client.add_peers(missing, timeout_s=self.control_timeout_s)
+            known = w.client.add_peers(sorted(addresses), timeout_s=self.control_timeout_s)
         except Exception as e:  # its pulls from them fail (and recompute) until next time
             logger.warning("could not register prefill workers with %s: %s", w.address, e)
+            return
+        with self._lock:
+            w.peers = set(known)
+
+    def knows_peer(self, w: WorkerState, prefill_address: str) -> bool:
+        with self._lock:
+            return w.peers is not None and prefill_address in w.peers
+
+    def ensure_peer(self, w: WorkerState, prefill_address: str) -> None:
+        """Blocking: make sure decode worker `w` may pull from `prefill_address` before a
+        request asks it to (a worker that just started may not have heard of it yet)."""
+        if not self.knows_peer(w, prefill_address):
+            self._add_peers(w, {prefill_address})
 
     def check_health(self) -> list[dict]:
         """Blocking: ask every worker now; one entry per worker."""
