@@ -39,6 +39,20 @@ def main() -> int:
             extra_body={"ignore_eos": True},
         )
         result["completion_ok"] = out.choices[0].text == ref.text
+        # Closed by default: serve made a secret; a worker RPC without it is refused.
+        import grpc
+
+        from hybrid_pd.proxy.worker_client import WorkerClient
+
+        for role in ("prefill", "decode"):
+            try:
+                WorkerClient(dep.addresses[role][0], timeout_s=10).health()
+                result[f"{role}_open"] = True
+            except grpc.RpcError as e:
+                result[f"{role}_open"] = e.code() != grpc.StatusCode.UNAUTHENTICATED
+            secret = dep.config.secret
+            reply = WorkerClient(dep.addresses[role][0], secret=secret, timeout_s=10).health()
+            result[f"{role}_role"] = reply.role
         stream = client.completions.create(
             model="tiny",
             prompt=prompt,

@@ -43,6 +43,9 @@ def test_serve_embedded_ray_openai_client_and_restart(tmp_path):
         {"HYBRID_PD_CACHE": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"},
     )
     assert result["completion_ok"] and result["stream_ok"]
+    # No --secret given: the workers are closed all the same.
+    assert not result["prefill_open"] and not result["decode_open"], result
+    assert (result["prefill_role"], result["decode_role"]) == ("prefill", "decode")
     assert result["restarted"] and result["after_restart_ok"]
     assert all(v == 0 for v in result["leaked"].values()), result["leaked"]
 
