@@ -175,9 +175,10 @@ class Engine:
     def can_step(self) -> bool:
         """Whether a step may make progress now (else wait for a load, a new request, or
         blocks freed elsewhere)."""
-        return self.scheduler.can_schedule or self._loads_ended()
+        return self.scheduler.can_schedule or self.loads_ended()
 
-    def _loads_ended(self) -> bool:
+    def loads_ended(self) -> bool:
+        """Whether the connector has KV loads to report (cheap)."""
         worker = self.connector.worker
         return worker is not None and worker.has_finished()
 

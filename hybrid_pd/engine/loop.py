@@ -123,7 +123,11 @@ class EngineLoop:
 
     # -- the engine thread ------------------------------------------------------------------
     def _ready(self) -> bool:
-        return not self._stalled and self.engine.has_unfinished() and self.engine.can_step()
+        e = self.engine
+        if not e.has_unfinished():
+            return False
+        # An ended load is news even if the last step found nothing to do.
+        return e.loads_ended() or (not self._stalled and e.can_step())
 
     def _run(self) -> None:
         next_tick = time.monotonic() + self._tick
@@ -140,9 +144,12 @@ class EngineLoop:
                     fut.set_result(fn())
                 except BaseException as e:  # reported to whoever posted it
                     fut.set_exception(e)
+            if ops:  # a step that ended while they were posted may have marked us stalled
+                self._stalled = False
             if time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + self._tick
                 self._run_hooks()
+                self._stalled = False  # hooks free blocks; at worst one idle step a tick
             if self._ready():
                 self._step()
             elif ops or not self.engine.has_unfinished():

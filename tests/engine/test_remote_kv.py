@@ -9,6 +9,10 @@ real connector over UCX and gRPC is exercised in tests/connector/.
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+
 import pytest
 import torch
 
@@ -16,6 +20,7 @@ from hybrid_pd.connector.base import KVConnector, LoadResult
 from hybrid_pd.connector.segments import plan_segments
 from hybrid_pd.engine.engine import Engine, EngineConfig
 from hybrid_pd.engine.loader import load_model
+from hybrid_pd.engine.loop import EngineLoop
 from hybrid_pd.engine.request import Status
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
@@ -227,3 +232,64 @@ def test_queue_longer_than_the_pool_all_finish_in_order(loaded):
     assert [final[r].token_ids for r in rids] == want
     assert loads.order == rids  # blocks granted first come, first served
     assert_clean(decode)
+
+
+class ThreadedLoads(ScriptedLoads):
+    """ScriptedLoads whose loads end on another thread after `delay_s` (as real pulls do)
+    and wake the loop."""
+
+    def __init__(self, src_pool, delay_s: float) -> None:
+        super().__init__(src_pool)
+        self.delay_s = delay_s
+        self.notify = lambda: None
+        self._lock = threading.Lock()
+
+    def start_load_kv(self, request_id, params, block_ids) -> None:
+        with self._lock:
+            super().start_load_kv(request_id, params, block_ids)
+        threading.Timer(self.delay_s, self._end, (request_id,)).start()
+
+    def _end(self, request_id: str) -> None:
+        with self._lock:
+            self.complete(request_id)
+        self.notify()
+
+    def get_finished(self):
+        with self._lock:
+            return super().get_finished()
+
+
+def test_engine_loop_wakes_on_load_end_not_on_its_tick(loaded):
+    """Requests submitted from other threads, loads ending on yet other threads: everything
+    finishes exactly, promptly (the loop is woken; its 5 s tick never comes), and the
+    published snapshot shows a clean pool afterwards."""
+    source = make_engine(loaded, connector=KVConnector(scheduler=KeepAll()))
+    loads = ThreadedLoads(source.pool, delay_s=0.05)
+    decode = make_engine(loaded, connector=KVConnector(worker=loads))
+    loads.dst_pool = decode.pool
+    prompts = [prompt_of(source, 2 + i % 3, seed=40 + i) for i in range(6)]
+    want = [make_engine(loaded).generate([p], PARAMS)[0].token_ids for p in prompts]
+    kvs = [prefill(source, p) for p in prompts]
+    loop = EngineLoop(decode, tick_s=5.0)
+    loads.notify = loop.wake
+    outputs: dict[str, queue.Queue] = {}
+    try:
+        t0 = time.monotonic()
+        for i, (p, kv) in enumerate(zip(prompts, kvs, strict=True)):
+            q = outputs[f"w{i}"] = queue.Queue()
+            loop.submit(
+                p, PARAMS, f"w{i}", output_ids=[kv["first"]], remote_kv=kv, sink=q.put
+            ).result(5)
+        got = []
+        for i in range(len(prompts)):
+            while (out := outputs[f"w{i}"].get(timeout=10)) and not out.finished:
+                pass
+            got.append(out.token_ids)
+        assert got == want
+        assert time.monotonic() - t0 < 4.0
+        loop.post(lambda: None).result(5)  # the loop publishes after ops when idle
+        snap = loop.snapshot
+        assert snap["integrity"] == "ok" and snap["kv_requests"] == 0
+        assert snap["free_blocks"] == snap["num_blocks"] - 1
+    finally:
+        loop.stop()
