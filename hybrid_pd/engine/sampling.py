@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,8 +25,19 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        # Bounds are the wire's (int32 / int64 fields): past them a value cannot travel.
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise ValueError(
+                f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}"
+            )
+        if not isinstance(self.top_k, int) or self.top_k > INT32_MAX:
+            raise ValueError(f"top_k must be an integer <= {INT32_MAX}, got {self.top_k!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not 0 <= self.seed <= INT64_MAX
+        ):
+            raise ValueError(f"seed must be an integer in [0, {INT64_MAX}], got {self.seed!r}")
+        if any(not 0 <= int(t) <= INT64_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers in [0, {INT64_MAX}]")
         if not 0.0 <= float(self.temperature) <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

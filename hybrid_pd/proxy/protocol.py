@@ -9,7 +9,7 @@ from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.proxy.errors import ProxyError, bad_request
 
 #: Sampling fields a SamplingParams error message starts with (to name the bad `param`).
-_PARAM_NAMES = ("max_tokens", "temperature", "top_k", "top_p", "stop")
+_PARAM_NAMES = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "stop")
 
 
 @dataclass(frozen=True)

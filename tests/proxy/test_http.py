@@ -37,6 +37,12 @@ def error_of(r: httpx.Response, status: int) -> dict:
         ({"model": "tiny", "prompt": ["a", "b"]}, "prompt", "one prompt"),
         ({"model": "tiny", "prompt": [1, 100000]}, "prompt", "token ids"),
         ({"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream", "boolean"),
+        # Past the wire's integer types: a clear 400, never a 500.
+        ({"model": "tiny", "prompt": "hi", "top_k": 2**31}, "top_k", "top_k"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": 2**31}, "max_tokens", "max_tokens"),
+        ({"model": "tiny", "prompt": "hi", "seed": 2**64}, "seed", "seed"),
+        ({"model": "tiny", "prompt": "hi", "seed": -1}, "seed", "seed"),
+        ({"model": "tiny", "prompt": "hi", "stop_token_ids": [2**63]}, "stop_token_ids", "stop"),
     ],
 )
 def test_bad_completion_requests(http, body, param, words):
