@@ -193,14 +193,48 @@ async def _pieces(first: TokenEvent | None, events, text: TextStream):
     raise ProxyError(500, "the request ended without an answer", kind="decode_error")
 
 
+#: Largest request body accepted (413 past it): a 4 MiB prompt is far past any context here.
+MAX_BODY_BYTES = 16 * 2**20
+#: Deepest JSON nesting accepted in a body (no OpenAI request nests past a handful).
+MAX_JSON_DEPTH = 32
+
+
 async def _json(request: Request):
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ProxyError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise ProxyError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     if not raw:
         raise bad_request("the request body is empty: expected a JSON object")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from e
+    except RecursionError:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_json(body)
+    return body
+
+
+def _check_json(value, depth: int = 0) -> None:
+    """Bounded nesting, and strings that are valid Unicode (no lone surrogates, which JSON
+    escapes can smuggle in and nothing downstream can encode)."""
+    if depth > MAX_JSON_DEPTH:
+        raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("the request body holds a string that is not valid UTF-8") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_json(k, depth + 1)
+            _check_json(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_json(v, depth + 1)
 
 
 async def _until_disconnect(request: Request, awaitable):

@@ -5,6 +5,7 @@ from __future__ import annotations
 _TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     429: "rate_limit_exceeded",
     500: "server_error",
     503: "service_unavailable",

@@ -151,3 +151,20 @@ def test_no_worker_available(tiny_path):
     finally:
         handle.stop()
         handle.pool.close()
+
+
+def test_hostile_bodies_get_4xx_and_the_connection_lives_on(http):
+    """Deep nesting, lone surrogates and oversized bodies: 400/413 in the OpenAI shape, and
+    the next request on the same keep-alive connection is served."""
+    deep = b'{"model": "tiny", "prompt": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    err = error_of(http.post("/v1/completions", content=deep), 400)
+    assert "nests deeper" in err["message"]
+    lone = b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}'
+    err = error_of(http.post("/v1/completions", content=lone), 400)
+    assert "UTF-8" in err["message"]
+    role = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}'
+    error_of(http.post("/v1/chat/completions", content=role), 400)
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (17 * 2**20) + b'"}'
+    error_of(http.post("/v1/completions", content=big), 413)
+    ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
