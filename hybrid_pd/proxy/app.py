@@ -94,11 +94,14 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _generate(request, parse_completion(await _json(request), ctx))
+        # Parsing tokenizes: a thread keeps a huge prompt from stalling everyone else.
+        body = await _json(request)
+        return await _generate(request, await asyncio.to_thread(parse_completion, body, ctx))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await _generate(request, parse_chat(await _json(request), ctx))
+        body = await _json(request)
+        return await _generate(request, await asyncio.to_thread(parse_chat, body, ctx))
 
     async def _generate(request: Request, req: GenerationRequest) -> Response:
         rid = new_id(req.kind)
