@@ -26,7 +26,7 @@ from hybrid_pd.connector.base import LoadResult, TransferFailed
 from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.params import KVTransferParams
-from hybrid_pd.connector.segments import plan_segments
+from hybrid_pd.connector.segments import PagedPlan, TransferPlan
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 from hybrid_pd.proto import kv_control_pb2 as pb
 from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
@@ -56,18 +56,22 @@ class DecodeConnector:
         engine_id: str,
         layout: KVLayout,
         transport,
-        region: Callable[[int, int], object],
+        region: Callable[[int, int], object] | None = None,
+        plan: TransferPlan | None = None,
         secret: str | None = None,
         timeout_s: float = 30.0,
         max_parallel_pulls: int = 8,
         peers: tuple[str, ...] = (),
     ) -> None:
         """`peers`: control addresses of the prefill workers this worker may dial (more
-        come through `add_peers`); kv_transfer_params naming any other address fail."""
+        come through `add_peers`); kv_transfer_params naming any other address fail.
+        `region(first_block, n)` or `plan`: as for PrefillConnector."""
+        if (region is None) == (plan is None):
+            raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
         self.layout = layout
         self.transport = transport
-        self._region = region
+        self._plan = plan if plan is not None else PagedPlan(region, layout.page_size_bytes)
         self._metadata = call_metadata(secret)
         self.timeout_s = timeout_s
         self._peers: dict[str, _Peer] = {}
@@ -187,15 +191,13 @@ class DecodeConnector:
             raise TransferFailed("KV layout fingerprint in kv_transfer_params differs from ours")
         dst = [[b for b in g if b != NULL_BLOCK_ID] for g in dst_block_ids]
         try:
-            segments = plan_segments(params.block_ids, dst)
+            regions = self._plan.dst_regions(self._plan.runs(params.block_ids, dst))
         except ValueError as e:
             raise TransferFailed(f"kv_transfer_params do not fit this request: {e}") from e
-        if len(segments) >= 1 << 16:
-            raise TransferFailed("transfer too fragmented (over 65536 runs)")
+        if len(regions) >= 1 << 16:
+            raise TransferFailed("transfer too fragmented (over 65536 messages)")
         tag = self._tag_base | (next(self._counter) % (1 << 24)) << 16
-        handle = self.transport.post_recv(
-            peer.ucx_address, tag, [self._region(s.dst, s.length) for s in segments]
-        )
+        handle = self.transport.post_recv(peer.ucx_address, tag, regions)
         try:
             reply = peer.stub.PullKV(
                 pb.PullRequest(

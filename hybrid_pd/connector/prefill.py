@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.params import KVTransferParams
-from hybrid_pd.connector.segments import plan_segments
+from hybrid_pd.connector.segments import PagedPlan, TransferPlan
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 
 logger = logging.getLogger(__name__)
@@ -66,19 +66,23 @@ class PrefillConnector:
         layout: KVLayout,
         control_address: str,
         free_blocks: Callable[[str], None],
-        region: Callable[[int, int], object],
         transport,
+        region: Callable[[int, int], object] | None = None,
+        plan: TransferPlan | None = None,
         lease_s: float = DEFAULT_LEASE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`free_blocks(request_id)` frees a kept request in the engine (thread-safe);
-        `region(first_block, n)` returns the contiguous tensor of n blocks; `transport`
-        sends regions (UcxTransport)."""
+        `region(first_block, n)` returns the contiguous tensor of n blocks of our engine's
+        pool; another cache layout gives a `plan` instead. `transport` sends regions
+        (UcxTransport)."""
+        if (region is None) == (plan is None):
+            raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
         self.layout = layout
         self.control_address = control_address
         self._free_blocks = free_blocks
-        self._region = region
+        self._plan = plan if plan is not None else PagedPlan(region, layout.page_size_bytes)
         self.transport = transport
         self.lease_s = lease_s
         self._clock = clock
@@ -99,10 +103,7 @@ class PrefillConnector:
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
         kept = tuple(tuple(b for b in g if b != NULL_BLOCK_ID) for g in block_ids)
         token = secrets.token_urlsafe(32)
-        lease = Lease(request.request_id, token, kept, self._clock() + self.lease_s)
-        with self._lock:
-            self._leases[request.request_id] = lease
-            self.stats["handed_over"] += 1
+        self.keep(request.request_id, token, kept)
         params = KVTransferParams(
             request_id=request.request_id,
             block_ids=kept,
@@ -114,6 +115,14 @@ class PrefillConnector:
             transfer_token=token,
         )
         return True, params.to_dict()
+
+    def keep(self, request_id: str, token: str, block_ids: tuple[tuple[int, ...], ...]) -> None:
+        """Hold `block_ids` (per group, null blocks dropped) for a decode worker that shows
+        `token`, until released, aborted or expired."""
+        lease = Lease(request_id, token, block_ids, self._clock() + self.lease_s)
+        with self._lock:
+            self._leases[request_id] = lease
+            self.stats["handed_over"] += 1
 
     # -- control handlers -------------------------------------------------------------------
     def _lease(self, request_id: str, token: str) -> Lease:
@@ -143,8 +152,8 @@ class PrefillConnector:
             lease.pulling += 1
             lease.expires_at = max(lease.expires_at, self._clock() + self.lease_s)
         try:
-            segments = plan_segments(lease.block_ids, dst_blocks)
-            regions = [self._region(s.src, s.length) for s in segments]
+            runs = self._plan.runs(lease.block_ids, dst_blocks)
+            regions = self._plan.src_regions(runs)
             if _FAULT == "exit_during_pull":
                 _die_mid_transfer(self.transport, peer, tag, regions)
             self.transport.send(peer, tag, regions, timeout)
@@ -156,12 +165,12 @@ class PrefillConnector:
                 free_now = lease.free_after_pull and lease.pulling == 0
             if free_now:
                 self._free(lease)
-        nbytes = sum(s.length for s in segments) * self.layout.page_size_bytes
+        nbytes = self._plan.nbytes(runs)
         with self._lock:
             self.stats["pulled"] += 1
             self.stats["bytes_sent"] += nbytes
-            self.stats["messages_sent"] += len(segments)
-        return PullResult(nbytes, len(segments))
+            self.stats["messages_sent"] += len(regions)
+        return PullResult(nbytes, len(regions))
 
     def release(self, request_id: str, token: str, reason: str = "released") -> None:
         with self._lock:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -37,3 +38,48 @@ def plan_segments(
         else:
             segments.append(Segment(s, d, 1))
     return segments
+
+
+class TransferPlan(Protocol):
+    """How one side of a transfer turns block ids into the regions UCX moves.
+
+    Both ends build the same runs from the same (source, destination) lists, in the same
+    order, so region i on the sender is region i on the receiver.
+    """
+
+    def runs(
+        self, src_groups: Sequence[Sequence[int]], dst_groups: Sequence[Sequence[int]]
+    ) -> Sequence[Any]:
+        """The runs of a transfer; raises ValueError when the lists do not pair up."""
+        ...
+
+    def src_regions(self, runs: Sequence[Any]) -> list[Any]:
+        """This worker's tensors to send, one per message."""
+        ...
+
+    def dst_regions(self, runs: Sequence[Any]) -> list[Any]:
+        """This worker's tensors to receive into, one per message."""
+        ...
+
+    def nbytes(self, runs: Sequence[Any]) -> int: ...
+
+
+@dataclass(frozen=True)
+class PagedPlan:
+    """Our engine's pool: a block is one page holding every layer of its group, so a run
+    of consecutive pages is one region (`region(first_block, n)`), whatever the group."""
+
+    region: Callable[[int, int], Any]
+    page_size_bytes: int
+
+    def runs(self, src_groups, dst_groups) -> list[Segment]:
+        return plan_segments(src_groups, dst_groups)
+
+    def src_regions(self, runs: Sequence[Segment]) -> list[Any]:
+        return [self.region(s.src, s.length) for s in runs]
+
+    def dst_regions(self, runs: Sequence[Segment]) -> list[Any]:
+        return [self.region(s.dst, s.length) for s in runs]
+
+    def nbytes(self, runs: Sequence[Segment]) -> int:
+        return sum(s.length for s in runs) * self.page_size_bytes
