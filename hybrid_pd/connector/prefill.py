@@ -13,6 +13,7 @@ import os
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,9 +26,12 @@ from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
+#: How many ended request ids and early aborts a prefill connector remembers.
+_REMEMBERED = 4096
 
-#: Fault injection for the failure tests only: "exit_during_pull" makes the process exit
-#: after sending part of a transfer. Never set in production.
+#: Fault injection for the tests only: "exit_during_pull" makes the process exit after
+#: sending part of a transfer; "zero_sends" sends zeros in place of the KV (the proof that
+#: decode's output depends on what it pulls). Never set in production.
 _FAULT = os.environ.get("HYBRID_PD_INJECT_FAULT", "")
 
 
@@ -70,12 +74,18 @@ class PrefillConnector:
         region: Callable[[int, int], object] | None = None,
         plan: TransferPlan | None = None,
         lease_s: float = DEFAULT_LEASE_S,
+        keep_wait_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`free_blocks(request_id)` frees a kept request in the engine (thread-safe);
         `region(first_block, n)` returns the contiguous tensor of n blocks of our engine's
         pool; another cache layout gives a `plan` instead. `transport` sends regions
-        (UcxTransport)."""
+        (UcxTransport).
+
+        `keep_wait_s`: where `keep` reaches this object after the params reach the client
+        (vLLM: the engine core hands them out, the worker process keeps at its next step),
+        a pull for a request not kept yet waits this long for it, and an abort that comes
+        first is remembered and applied when the keep arrives."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
@@ -86,8 +96,14 @@ class PrefillConnector:
         self.transport = transport
         self.lease_s = lease_s
         self._clock = clock
+        self.keep_wait_s = keep_wait_s
         self._lock = threading.Lock()
+        self._kept = threading.Condition(self._lock)
         self._leases: dict[str, Lease] = {}
+        # Request ids whose lease ended (a pull for them fails at once) and aborts that
+        # came before their keep (id -> token); both bounded, oldest dropped first.
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._early_aborts: OrderedDict[str, str] = OrderedDict()
         self.stats = {
             "handed_over": 0,
             "pulled": 0,
@@ -121,8 +137,31 @@ class PrefillConnector:
         `token`, until released, aborted or expired."""
         lease = Lease(request_id, token, block_ids, self._clock() + self.lease_s)
         with self._lock:
-            self._leases[request_id] = lease
             self.stats["handed_over"] += 1
+            early = self._early_aborts.pop(request_id, None)
+            if early is None or not hmac.compare_digest(early.encode(), token.encode()):
+                self._leases[request_id] = lease
+                self._kept.notify_all()
+                return
+            self.stats["aborted"] += 1
+            self._remember_ended(request_id)
+        logger.info("%s was aborted by its decode worker before it was kept", request_id)
+        self._free(lease)
+
+    def _remember_ended(self, request_id: str) -> None:
+        self._ended[request_id] = None
+        while len(self._ended) > _REMEMBERED:
+            self._ended.popitem(last=False)
+
+    def _wait_kept(self, request_id: str, timeout: float) -> None:
+        """Under the lock: wait for a keep that may still be on its way."""
+        if self.keep_wait_s <= 0 or request_id in self._ended:
+            return
+        deadline = self._clock() + min(self.keep_wait_s, timeout)
+        while request_id not in self._leases and request_id not in self._ended:
+            left = deadline - self._clock()
+            if left <= 0 or not self._kept.wait(left):
+                return
 
     # -- control handlers -------------------------------------------------------------------
     def _lease(self, request_id: str, token: str) -> Lease:
@@ -148,12 +187,15 @@ class PrefillConnector:
     ) -> PullResult:
         """Send the request's kept blocks to `peer` into `dst_blocks` (per group)."""
         with self._lock:
+            self._wait_kept(request_id, timeout)
             lease = self._lease(request_id, token)
             lease.pulling += 1
             lease.expires_at = max(lease.expires_at, self._clock() + self.lease_s)
         try:
             runs = self._plan.runs(lease.block_ids, dst_blocks)
             regions = self._plan.src_regions(runs)
+            if _FAULT == "zero_sends":
+                regions = [r.new_zeros(r.shape) for r in regions]
             if _FAULT == "exit_during_pull":
                 _die_mid_transfer(self.transport, peer, tag, regions)
             self.transport.send(peer, tag, regions, timeout)
@@ -174,8 +216,20 @@ class PrefillConnector:
 
     def release(self, request_id: str, token: str, reason: str = "released") -> None:
         with self._lock:
+            if (
+                reason == "aborted"
+                and self.keep_wait_s > 0
+                and request_id not in self._leases
+                and request_id not in self._ended
+            ):
+                # Its keep may still be on its way: apply the abort when it arrives.
+                self._early_aborts[request_id] = token
+                while len(self._early_aborts) > _REMEMBERED:
+                    self._early_aborts.popitem(last=False)
+                return
             self._lease(request_id, token)
             lease = self._leases.pop(request_id)
+            self._remember_ended(request_id)
             self.stats[reason] += 1
             if lease.pulling:  # the blocks are being read: free them when the pull ends
                 lease.free_after_pull = True
@@ -211,6 +265,7 @@ class PrefillConnector:
             dead = [ls for ls in self._leases.values() if ls.expires_at < now and not ls.pulling]
             for lease in dead:
                 del self._leases[lease.request_id]
+                self._remember_ended(lease.request_id)
                 self.stats["expired"] += 1
         for lease in dead:
             logger.warning("lease of %s expired; freeing its blocks", lease.request_id)

@@ -26,7 +26,8 @@ equal a single vLLM instance's (greedy), for state models too.
 extra config keys: `control_host` (127.0.0.1) and `control_port` (0: any free port) where a
 producer serves KVControl; `peers`, the control addresses a consumer may pull from (it dials
 nothing else); `secret_file` (else $HYBRID_PD_SECRET; without one the control plane is open,
-with a warning); `lease_s` (120); `timeout_s` (30).
+with a warning); `lease_s` (120); `timeout_s` (30); `keep_wait_s` (10: how long a pull that
+arrives before the prefill worker has kept the request's blocks waits for them).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ import os
 import secrets
 import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -225,6 +227,48 @@ class VllmPlan:
         return sum(r.length * sum(v.block_bytes for v in self.views[r.group]) for r in runs)
 
 
+# -- threads --------------------------------------------------------------------------------
+
+
+def io_cpus() -> set[int] | None:
+    """CPUs for the connector's I/O threads: those the process was started with.
+
+    vLLM's CPU worker pins its main thread to the compute cores it binds OpenMP to, and
+    threads inherit the mask of the thread that creates them. Left there, our gRPC, UCX
+    and pull threads queue behind spinning compute threads; with two servers on one
+    machine that starved the KV control plane for tens of seconds. The parent process
+    (engine core or API server) still has the operator's mask (taskset, cgroup)."""
+    try:
+        return os.sched_getaffinity(os.getppid())
+    except (AttributeError, OSError):  # no affinity API, or the parent is gone
+        return None
+
+
+@contextmanager
+def unpinned(cpus: set[int] | None) -> Iterator[None]:
+    """Run the block, and start the threads it starts, with the calling thread on
+    `cpus`; the caller's own mask comes back afterwards."""
+    if not cpus:
+        yield
+        return
+    try:
+        own = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        own = None
+    if own is None or own == cpus:
+        yield
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:  # a mask this thread may not take: keep its own
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)
+
+
 # -- scheduler -> worker ----------------------------------------------------------------------
 
 
@@ -346,6 +390,9 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         self.control_bind = f"{host}:{port}"
         self.control_address: str | None = self.control_bind if port else None
         self.lease_s = float(self.extra.get("lease_s", 120.0))
+        # The engine core hands params out before the worker process keeps the blocks (at
+        # its next step): a pull that comes first waits this long for the keep.
+        self.keep_wait_s = float(self.extra.get("keep_wait_s", 10.0))
         self.timeout_s = float(self.extra.get("timeout_s", 30.0))
         self.peers = tuple(self.extra.get("peers", ()))
         self.secret = _secret(self.extra)
@@ -354,12 +401,11 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
                 "hybrid-pd connector: no secret (secret_file or HYBRID_PD_SECRET); the KV "
                 "control plane is open to any local process"
             )
-        self._lock = threading.Lock()
-        if role == KVConnectorRole.SCHEDULER:
-            self._meta = HybridPDMetadata()
-            self._pending: dict[str, KVTransferParams] = {}  # decode: params not yet loaded
-        else:
-            self._worker: _WorkerHalf | None = None
+        # Scheduler half: what the next step's metadata carries, and decode requests whose
+        # params are not planned into a load yet. Worker half: made at register_kv_caches.
+        self._meta = HybridPDMetadata()
+        self._pending: dict[str, KVTransferParams] = {}
+        self._worker: _WorkerHalf | None = None
 
     # == scheduler side =======================================================================
     def on_new_request(self, request: Request) -> None:
@@ -396,7 +442,10 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         if prompt is None or request.prompt_embeds is not None:
             return "prompt embeddings cannot take a remote prefill"
         if len(prompt) != params.prompt_len or raw.get("prompt_digest") != prompt_digest(prompt):
-            return "kv_transfer_params were made for another prompt"
+            return (
+                f"kv_transfer_params were made for another prompt ({params.prompt_len} "
+                f"tokens, this one has {len(prompt)})"
+            )
         if params.fingerprint != self.layout.fingerprint:
             return "the prefill server's KV layout differs from this server's"
         if request.max_tokens < 2:
@@ -491,7 +540,10 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
 
     # == worker side ==========================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker = _WorkerHalf(self, VllmPlan(self._kv_cache_config, kv_caches))
+        plan = VllmPlan(self._kv_cache_config, kv_caches)
+        cpus = io_cpus()
+        with unpinned(cpus):  # the threads it starts stay off the compute cores
+            self._worker = _WorkerHalf(self, plan, cpus)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self._worker is None or self._worker.control_address is None:
@@ -540,7 +592,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         return set()  # failed loads are reported per request (failed_recving)
 
     def shutdown(self) -> None:
-        if getattr(self, "_worker", None) is not None:
+        if self._worker is not None:
             self._worker.close()
             self._worker = None
 
@@ -548,7 +600,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
 class _WorkerHalf:
     """Transport, control server and the two connector halves of one vLLM worker."""
 
-    def __init__(self, conn: HybridPDConnector, plan: VllmPlan) -> None:
+    def __init__(self, conn: HybridPDConnector, plan: VllmPlan, cpus: set[int] | None) -> None:
         from hybrid_pd.connector.control import AioServer, KVControlServicer
         from hybrid_pd.connector.decode import DecodeConnector
         from hybrid_pd.connector.prefill import PrefillConnector
@@ -556,6 +608,7 @@ class _WorkerHalf:
         from hybrid_pd.proto import kv_control_pb2_grpc
         from hybrid_pd.workers.worker import ucx_options_for
 
+        self._cpus = cpus
         self._lock = threading.Lock()
         self._sent: set[str] = set()
         self._reported = dict.fromkeys(COUNTERS, 0)
@@ -576,6 +629,7 @@ class _WorkerHalf:
                 transport=self.transport,
                 plan=plan,
                 lease_s=conn.lease_s,
+                keep_wait_s=conn.keep_wait_s,
             )
             control = KVControlServicer(
                 conn.engine_id, conn.layout, self.transport.address, self.prefill
@@ -601,6 +655,12 @@ class _WorkerHalf:
             self._sent.add(request_id)
 
     def apply(self, meta: HybridPDMetadata) -> None:
+        if not (meta.sends or meta.loads or meta.drops):
+            return
+        with unpinned(self._cpus):  # pull and control threads start here, on first use
+            self._apply(meta)
+
+    def _apply(self, meta: HybridPDMetadata) -> None:
         for s in meta.sends:
             if self.prefill is None:
                 raise RuntimeError("a kv_consumer was asked to keep KV for a decode server")

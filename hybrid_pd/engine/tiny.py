@@ -61,13 +61,14 @@ def ensure_tiny(root: Path | None = None) -> Path:
     return folder
 
 
-def write_tiny_checkpoint(folder: Path) -> None:
+def write_tiny_checkpoint(folder: Path, overrides: dict | None = None) -> None:
+    """The built-in checkpoint; `overrides` change its config.json first (other sizes)."""
     from safetensors.torch import save_file
 
     from hybrid_pd.engine.models.qwen3_5 import Qwen3_5ForCausalLM, tiny_qwen3_5_config
 
     # An untied head: with tied embeddings a random model keeps predicting its input token.
-    config = {**tiny_qwen3_5_config(), "tie_word_embeddings": False}
+    config = {**tiny_qwen3_5_config(), "tie_word_embeddings": False, **(overrides or {})}
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(config)
     gen = torch.Generator().manual_seed(_SEED)
@@ -76,7 +77,7 @@ def write_tiny_checkpoint(folder: Path) -> None:
         tensors[name] = _init_tensor(name, tuple(param.shape), gen)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    write_byte_tokenizer(folder)
+    write_byte_tokenizer(folder, (overrides or {}).get("vocab_size"))
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -106,7 +107,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(keep, (chr(c) for c in chars), strict=True))
 
 
-def write_byte_tokenizer(folder: Path) -> None:
+def write_byte_tokenizer(folder: Path, vocab_size: int | None = None) -> None:
+    """Byte-level tokenizer: ids 0-255 are bytes, then <bos> <eos> <pad>; `vocab_size`
+    pads it with special <unused_N> tokens so every id a model may sample decodes."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
@@ -114,6 +117,9 @@ def write_byte_tokenizer(folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True) for t in _SPECIALS])
+    first = 256 + len(_SPECIALS)
+    extra = [f"<unused_{i}>" for i in range(first, vocab_size or first)]
+    tok.add_special_tokens([AddedToken(t, special=True) for t in extra])
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
         json.dumps(
@@ -122,6 +128,9 @@ def write_byte_tokenizer(folder: Path) -> None:
                 "eos_token": "<eos>",
                 "pad_token": "<pad>",
                 "add_bos_token": False,
+                # The generic class: a model-specific one (e.g. GemmaTokenizer) would
+                # rebuild the pipeline around its own pre-tokenizer.
+                "tokenizer_class": "PreTrainedTokenizerFast",
                 "chat_template": _CHAT_TEMPLATE,
             },
             indent=2,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from hybrid_pd.connector.base import SupportsHMA, TransferFailed
@@ -125,3 +128,63 @@ def test_lease_expiry_frees_once():
     assert conn.expire() == 0 and freed == ["r"]
     with pytest.raises(TransferFailed):
         conn.pull("r", params["transfer_token"], [[2]], b"peer", 0)
+
+
+def _late_keeper(keep_wait_s: float):
+    """A prefill connector whose keeps arrive after the params went out (vLLM's order)."""
+    freed: list[str] = []
+    conn = PrefillConnector(
+        engine_id="p",
+        layout=KVLayout.of(plan_groups(model(), block_size=4), "m"),
+        control_address="127.0.0.1:9",
+        free_blocks=freed.append,
+        region=lambda b, n: (b, n),
+        transport=_Recorder(),
+        keep_wait_s=keep_wait_s,
+    )
+    return conn, freed
+
+
+def test_pull_waits_for_a_keep_still_on_its_way():
+    conn, freed = _late_keeper(keep_wait_s=5.0)
+    keeper = threading.Timer(0.3, conn.keep, args=("r", "tok", ((1, 2), ())))
+    keeper.start()
+    t0 = time.monotonic()
+    res = conn.pull("r", "tok", [[5, 6], []], b"peer", 64)
+    keeper.join()
+    assert 0.2 < time.monotonic() - t0 < 4.0
+    assert res.messages == 1 and conn.transport.sent[0][2] == [(1, 2)]
+    conn.release("r", "tok")
+    assert freed == ["r"]
+    # Ended: a replayed pull fails at once instead of waiting.
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match="no KV kept"):
+        conn.pull("r", "tok", [[5, 6], []], b"peer", 64)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_pull_for_a_request_never_kept_fails_after_the_wait():
+    conn, _ = _late_keeper(keep_wait_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match="no KV kept"):
+        conn.pull("nobody", "tok", [[5]], b"peer", 64)
+    assert 0.25 < time.monotonic() - t0 < 3.0
+    # Our own engine keeps before the params leave: no wait at all.
+    conn0, _ = _late_keeper(keep_wait_s=0.0)
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed, match="no KV kept"):
+        conn0.pull("nobody", "tok", [[5]], b"peer", 64)
+    assert time.monotonic() - t0 < 0.2
+
+
+def test_abort_before_keep_frees_the_blocks_when_they_are_kept():
+    conn, freed = _late_keeper(keep_wait_s=5.0)
+    conn.release("r", "tok", reason="aborted")  # the decode worker dropped it first
+    assert freed == [] and conn.num_leases == 0
+    conn.keep("r", "tok", ((1, 2), (3,)))
+    assert freed == ["r"] and conn.num_leases == 0
+    assert conn.stats["aborted"] == 1 and conn.stats["handed_over"] == 1
+    # An abort with the wrong token does not drop someone else's keep.
+    conn.release("q", "forged", reason="aborted")
+    conn.keep("q", "tok", ((4,), ()))
+    assert freed == ["r"] and conn.num_leases == 1

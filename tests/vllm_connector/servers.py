@@ -1,0 +1,145 @@
+"""Real vLLM OpenAI servers (`python -m vllm.entrypoints.openai.api_server`) on loopback,
+with hybrid-pd's connector, for the P/D tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+TCMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_halves() -> tuple[str, str]:
+    """Two disjoint CPU lists for two servers on one machine. Each vLLM CPU server binds
+    its OpenMP threads to the cores it is given; two servers spinning on the same cores
+    slow each other down by orders of magnitude."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return "nobind", "nobind"
+    half = len(cpus) // 2
+    return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+
+
+def connector_config(role: str, extra: dict) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "HybridPDConnector",
+            "kv_connector_module_path": "hybrid_pd.connector.vllm",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+    )
+
+
+class Server:
+    def __init__(
+        self,
+        model: Path,
+        log: Path,
+        *,
+        dtype: str = "float32",
+        role: str | None = None,
+        extra: dict | None = None,
+        env: dict | None = None,
+        prefix_caching: bool = False,
+        cpus: str = "nobind",
+    ) -> None:
+        """`cpus`: VLLM_CPU_OMP_THREADS_BIND, the CPUs this server computes on."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024",
+            "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
+            "--uvicorn-log-level", "warning",
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+        ]  # fmt: skip
+        if role is not None:
+            args += ["--kv-transfer-config", connector_config(role, extra or {})]
+        full_env = dict(os.environ)
+        full_env.update(
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_CPU_OMP_THREADS_BIND=cpus,
+            TOKENIZERS_PARALLELISM="false",
+        )
+        for lib in TCMALLOC:
+            if Path(lib).exists():
+                full_env["LD_PRELOAD"] = lib
+                break
+        full_env.update(env or {})
+        self._out = open(log, "w")  # closed in stop()
+        self.proc = subprocess.Popen(
+            args, stdout=self._out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+        self.client = httpx.Client(base_url=self.url, timeout=120.0)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                if self.client.get("/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM server not ready after {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        self._out.flush()
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def complete(self, body: dict) -> dict:
+        r = self.client.post("/v1/completions", json=body)
+        assert r.status_code == 200, f"{r.status_code}: {r.text[:500]}"
+        return r.json()
+
+    def stream_tokens(self, body: dict) -> list[int]:
+        ids: list[int] = []
+        with self.client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        ids += choice.get("token_ids") or []
+        return ids
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in self.client.get("/metrics").text.splitlines():
+            if line.startswith(("hybrid_pd_kv_", "vllm:kv_cache_usage_perc")):
+                name = line.split("{")[0].split(" ")[0]
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.client.close()
+        self._out.close()
