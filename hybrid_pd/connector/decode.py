@@ -80,7 +80,14 @@ class DecodeConnector:
         # Tags: a random per-connector base plus a counter, 2**16 messages per transfer.
         self._tag_base = secrets.randbits(24) << 40
         self._counter = itertools.count()
-        self.stats: dict = {"pulls": 0, "failed": 0, "bytes": 0, "messages": 0, "last_error": ""}
+        self.stats: dict = {
+            "pulls": 0,
+            "failed": 0,
+            "bytes": 0,
+            "messages": 0,
+            "seconds": 0.0,  # pull time of the successful pulls, handshake to release
+            "last_error": "",
+        }
         #: Called (from a pull thread) when a load ended: the engine loop's `wake`.
         self.notify: Callable[[], None] = lambda: None
         self._pulls = ThreadPoolExecutor(max_parallel_pulls, thread_name_prefix="kv-pull")
@@ -230,6 +237,7 @@ class DecodeConnector:
         self.stats["pulls"] += 1
         self.stats["bytes"] += stats.bytes
         self.stats["messages"] += stats.messages
+        self.stats["seconds"] += stats.seconds
         return stats
 
     def _release(self, peer: _Peer, params: KVTransferParams) -> None:

@@ -319,6 +319,7 @@ COUNTERS = {
     "pull_failures": "KV pulls that failed (the request follows kv_load_failure_policy)",
     "bytes_pulled": "bytes of KV received",
     "messages_pulled": "UCX messages of KV received",
+    "pull_seconds": "seconds spent in successful pulls (control calls and transfer)",
     "handed_over": "requests whose KV this prefill server kept for a decode server",
     "pulled_from": "KV pulls this prefill server served",
     "bytes_sent": "bytes of KV sent",
@@ -343,7 +344,7 @@ class HybridPDStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: v for k, v in self.data.items() if v}
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.data.items() if v}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -687,7 +688,7 @@ class _WorkerHalf:
                     self._load_failures += 1
         return res
 
-    def totals(self) -> dict[str, int]:
+    def totals(self) -> dict[str, float]:
         out = dict.fromkeys(COUNTERS, 0)
         if self.decode is not None:
             st = self.decode.stats
@@ -696,6 +697,7 @@ class _WorkerHalf:
                 pull_failures=self._load_failures,
                 bytes_pulled=st["bytes"],
                 messages_pulled=st["messages"],
+                pull_seconds=st["seconds"],
             )
         if self.prefill is not None:
             st = self.prefill.stats
@@ -709,7 +711,7 @@ class _WorkerHalf:
             )
         return out
 
-    def stats_delta(self) -> dict[str, int]:
+    def stats_delta(self) -> dict[str, float]:
         now = self.totals()
         delta = {k: now[k] - self._reported[k] for k in COUNTERS}
         self._reported = now

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_pd.connector.vllm_servers import Server, cpu_halves, free_port
 from tests.vllm_connector import checkpoints
-from tests.vllm_connector.servers import Server, cpu_halves, free_port
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,6 @@
-"""Real vLLM OpenAI servers (`python -m vllm.entrypoints.openai.api_server`) on loopback,
-with hybrid-pd's connector, for the P/D tests."""
+"""vLLM OpenAI servers (`python -m vllm.entrypoints.openai.api_server`) on loopback, each in
+its own process group, for the vLLM P/D tests and `hybrid-pd bench vllm`. Imports no vLLM:
+the servers run under whichever Python has it."""
 
 from __future__ import annotations
 
@@ -37,16 +38,15 @@ def cpu_halves() -> tuple[str, str]:
     return ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
 
 
-def connector_config(role: str, extra: dict) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "HybridPDConnector",
-            "kv_connector_module_path": "hybrid_pd.connector.vllm",
-            "kv_role": role,
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": extra,
-        }
-    )
+def connector_config(role: str, extra: dict) -> dict:
+    """--kv-transfer-config of hybrid-pd's connector."""
+    return {
+        "kv_connector": "HybridPDConnector",
+        "kv_connector_module_path": "hybrid_pd.connector.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
 
 
 class Server:
@@ -61,13 +61,17 @@ class Server:
         env: dict | None = None,
         prefix_caching: bool = False,
         cpus: str = "nobind",
+        kv_transfer_config: dict | None = None,
+        python: str | None = None,
     ) -> None:
-        """`cpus`: VLLM_CPU_OMP_THREADS_BIND, the CPUs this server computes on."""
+        """`role` + `extra`: hybrid-pd's connector; `kv_transfer_config`: any connector.
+        `cpus`: VLLM_CPU_OMP_THREADS_BIND, the CPUs this server computes on. `python`: the
+        interpreter that has vLLM (default: this one)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
             "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024",
             "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
@@ -75,7 +79,9 @@ class Server:
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         ]  # fmt: skip
         if role is not None:
-            args += ["--kv-transfer-config", connector_config(role, extra or {})]
+            kv_transfer_config = connector_config(role, extra or {})
+        if kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         full_env = dict(os.environ)
         full_env.update(
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",
@@ -112,23 +118,39 @@ class Server:
 
     def complete(self, body: dict) -> dict:
         r = self.client.post("/v1/completions", json=body)
-        assert r.status_code == 200, f"{r.status_code}: {r.text[:500]}"
+        if r.status_code != 200:
+            raise RuntimeError(f"{self.url}: {r.status_code}: {r.text[:500]}")
         return r.json()
 
     def stream_tokens(self, body: dict) -> list[int]:
+        return self.stream_timed(body)[0]
+
+    def stream_timed(self, body: dict) -> tuple[list[int], float, float]:
+        """Streamed completion: (token ids, seconds to the first token, seconds in all)."""
         ids: list[int] = []
+        t0 = time.perf_counter()
+        first = None
         with self.client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-            assert r.status_code == 200
+            if r.status_code != 200:
+                r.read()
+                raise RuntimeError(f"{self.url}: {r.status_code}: {r.text[:500]}")
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     for choice in json.loads(line[6:]).get("choices", []):
-                        ids += choice.get("token_ids") or []
-        return ids
+                        got = choice.get("token_ids") or []
+                        if got and first is None:
+                            first = time.perf_counter() - t0
+                        ids += got
+        total = time.perf_counter() - t0
+        return ids, (first if first is not None else total), total
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(
+        self, prefixes: tuple[str, ...] = ("hybrid_pd_kv_", "vllm:kv_cache_usage_perc")
+    ) -> dict[str, float]:
+        """Prometheus samples whose names start with `prefixes`, summed over labels."""
         out: dict[str, float] = {}
         for line in self.client.get("/metrics").text.splitlines():
-            if line.startswith(("hybrid_pd_kv_", "vllm:kv_cache_usage_perc")):
+            if line.startswith(prefixes):
                 name = line.split("{")[0].split(" ")[0]
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         return out

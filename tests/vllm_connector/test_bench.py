@@ -1,0 +1,37 @@
+"""`hybrid-pd bench vllm` end to end with hybrid-pd's connector (NIXL needs the `nixl`
+package, which this environment need not have; the bench's NIXL side is exercised by hand,
+see docs/vllm.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from hybrid_pd.launcher.bench_vllm import add_bench_vllm, bench_vllm
+from tests.vllm_connector import checkpoints
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_reports_exact_hand_offs_and_what_moved(tmp_path):
+    model = checkpoints.granite_hybrid(tmp_path / "ckpt")
+    parser = argparse.ArgumentParser()
+    add_bench_vllm(parser.add_subparsers())
+    args = parser.parse_args(
+        ["vllm", "--model", str(model), "--python", sys.executable, "--connectors",
+         "hybrid-pd", "--prompts", "2", "--reps", "2", "--max-tokens", "6",
+         "--min-len", "40", "--max-len", "300", "--log-dir", str(tmp_path / "logs")]
+    )  # fmt: skip
+    out = bench_vllm(args)
+    ours = out["connectors"]["hybrid-pd"]
+    assert ours["requests"] == 4
+    assert ours["exact"] == 4 and ours["mean_agreeing_tokens"] == 6
+    moved = ours["decode_transfer_metrics"]
+    assert moved["hybrid_pd_kv_pulls_total"] == 4
+    assert moved["hybrid_pd_kv_pull_failures_total"] == 0
+    assert moved["hybrid_pd_kv_bytes_pulled_total"] > 0
+    assert moved["hybrid_pd_kv_pull_seconds_total"] > 0
+    assert [r["rep"] for r in ours["per_request"]] == [0, 0, 1, 1]
+    assert all(r["decode_ttft_s"] > 0 for r in ours["per_request"])
