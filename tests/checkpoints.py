@@ -16,11 +16,15 @@ def qwen3_5(root: Path) -> Path:
     return ensure_tiny(root)
 
 
-def granite_hybrid(root: Path) -> Path:
+def granite_hybrid(
+    root: Path, name: str = "granite", tokenizer_vocab: int | None = None, **overrides
+) -> Path:
+    """`overrides`: config fields to change (other sizes); `tokenizer_vocab`: pad the
+    tokenizer to this many ids."""
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.GraniteMoeHybridConfig(
+    fields = dict(
         vocab_size=300,
         hidden_size=64,
         intermediate_size=32,
@@ -48,20 +52,25 @@ def granite_hybrid(root: Path) -> Path:
         eos_token_id=None,
         pad_token_id=None,
     )
+    cfg = transformers.GraniteMoeHybridConfig(**{**fields, **overrides})
     model = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
     with torch.no_grad():
         for layer in model.model.layers:
             if layer.mamba is not None:
                 layer.mamba.A_log.uniform_(-1.0, 1.0)
                 layer.mamba.dt_bias.uniform_(-2.0, 0.5)
-    return _save(model, root / "granite")
+    return _save(model, root / name, tokenizer_vocab)
 
 
-def gemma3(root: Path) -> Path:
+def gemma3(
+    root: Path, name: str = "gemma3", tokenizer_vocab: int | None = None, **overrides
+) -> Path:
+    """As granite_hybrid."""
     import transformers
 
+    folder = root / name
     torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(
+    fields = dict(
         vocab_size=300,
         hidden_size=64,
         intermediate_size=96,
@@ -84,18 +93,19 @@ def gemma3(root: Path) -> Path:
         pad_token_id=0,
         bos_token_id=2,
     )
+    cfg = transformers.Gemma3TextConfig(**{**fields, **overrides})
     model = transformers.Gemma3ForCausalLM(cfg).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
+        for param_name, p in model.named_parameters():
+            if "norm" in param_name:
                 p.normal_(0.0, 2.0)
-    return _save(model, root / "gemma3")
+    return _save(model, folder, tokenizer_vocab)
 
 
-def _save(model, folder: Path) -> Path:
+def _save(model, folder: Path, tokenizer_vocab: int | None = None) -> Path:
     if not (folder / "config.json").exists():
         model.save_pretrained(folder, safe_serialization=True)
-        write_byte_tokenizer(folder)
+        write_byte_tokenizer(folder, tokenizer_vocab)
     return folder
 
 
