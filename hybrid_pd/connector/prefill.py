@@ -35,6 +35,13 @@ _REMEMBERED = 4096
 _FAULT = os.environ.get("HYBRID_PD_INJECT_FAULT", "")
 
 
+def _bounded_put(d: OrderedDict, key: str, value) -> None:
+    """Remember `key`, forgetting the oldest entries past _REMEMBERED."""
+    d[key] = value
+    while len(d) > _REMEMBERED:
+        d.popitem(last=False)
+
+
 def _die_mid_transfer(transport, peer: bytes, tag: int, regions: list) -> None:
     first = regions[0]
     half = first[: max(1, first.shape[0] // 2)]
@@ -144,18 +151,13 @@ class PrefillConnector:
                 self._kept.notify_all()
                 return
             self.stats["aborted"] += 1
-            self._remember_ended(request_id)
+            _bounded_put(self._ended, request_id, None)
         logger.info("%s was aborted by its decode worker before it was kept", request_id)
         self._free(lease)
 
-    def _remember_ended(self, request_id: str) -> None:
-        self._ended[request_id] = None
-        while len(self._ended) > _REMEMBERED:
-            self._ended.popitem(last=False)
-
     def _wait_kept(self, request_id: str, timeout: float) -> None:
         """Under the lock: wait for a keep that may still be on its way."""
-        if self.keep_wait_s <= 0 or request_id in self._ended:
+        if self.keep_wait_s <= 0:
             return
         deadline = self._clock() + min(self.keep_wait_s, timeout)
         while request_id not in self._leases and request_id not in self._ended:
@@ -223,13 +225,11 @@ class PrefillConnector:
                 and request_id not in self._ended
             ):
                 # Its keep may still be on its way: apply the abort when it arrives.
-                self._early_aborts[request_id] = token
-                while len(self._early_aborts) > _REMEMBERED:
-                    self._early_aborts.popitem(last=False)
+                _bounded_put(self._early_aborts, request_id, token)
                 return
             self._lease(request_id, token)
             lease = self._leases.pop(request_id)
-            self._remember_ended(request_id)
+            _bounded_put(self._ended, request_id, None)
             self.stats[reason] += 1
             if lease.pulling:  # the blocks are being read: free them when the pull ends
                 lease.free_after_pull = True
@@ -265,7 +265,7 @@ class PrefillConnector:
             dead = [ls for ls in self._leases.values() if ls.expires_at < now and not ls.pulling]
             for lease in dead:
                 del self._leases[lease.request_id]
-                self._remember_ended(lease.request_id)
+                _bounded_put(self._ended, lease.request_id, None)
                 self.stats["expired"] += 1
         for lease in dead:
             logger.warning("lease of %s expired; freeing its blocks", lease.request_id)

@@ -248,25 +248,21 @@ def io_cpus() -> set[int] | None:
 def unpinned(cpus: set[int] | None) -> Iterator[None]:
     """Run the block, and start the threads it starts, with the calling thread on
     `cpus`; the caller's own mask comes back afterwards."""
-    if not cpus:
-        yield
-        return
-    try:
-        own = os.sched_getaffinity(0)
-    except (AttributeError, OSError):
-        own = None
-    if own is None or own == cpus:
-        yield
-        return
-    try:
-        os.sched_setaffinity(0, cpus)
-    except OSError:  # a mask this thread may not take: keep its own
-        yield
-        return
+    own = None
+    if cpus:
+        try:
+            own = os.sched_getaffinity(0)
+            if own == cpus:
+                own = None
+            else:
+                os.sched_setaffinity(0, cpus)
+        except (AttributeError, OSError):  # no affinity API, or a mask it may not take
+            own = None
     try:
         yield
     finally:
-        os.sched_setaffinity(0, own)
+        if own is not None:
+            os.sched_setaffinity(0, own)
 
 
 # -- scheduler -> worker ----------------------------------------------------------------------

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any
 
+from hybrid_pd.launcher.bench_vllm import add_bench_vllm
+
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run a benchmark and print its figures")
@@ -30,8 +32,6 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--no-transformers", action="store_true", help="skip the reference")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_bench_engine)
-    from hybrid_pd.launcher.bench_vllm import add_bench_vllm
-
     add_bench_vllm(bsub)
     t = bsub.add_parser("transfer", help="KV hand-over bandwidth next to raw ucxx")
     t.add_argument("--model", default="qwen3.5-27b", help="reference config for the layout")

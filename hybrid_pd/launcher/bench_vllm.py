@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybrid_pd.connector.vllm_servers import Server, cpu_halves, free_port
+
 CONNECTORS = ("hybrid-pd", "nixl")
 
 
@@ -68,37 +70,35 @@ class _Pair:
     """One connector's prefill and decode servers."""
 
     def __init__(self, name: str, model: Path, args, log_dir: Path, env: dict) -> None:
-        from hybrid_pd.connector.vllm_servers import Server, cpu_halves, free_port
-
         self.name = name
-        prefill_cpus, decode_cpus = cpu_halves()
-        common = dict(dtype=args.dtype, python=args.python)
         if name == "hybrid-pd":
             control = free_port()
             env = {**env, "HYBRID_PD_SECRET": secrets.token_urlsafe(24)}
-            self.prefill = Server(
-                model, log_dir / f"{name}-prefill.log", role="kv_producer",
-                extra={"control_port": control}, cpus=prefill_cpus, env=env, **common,
-            )  # fmt: skip
-            self.decode = Server(
-                model, log_dir / f"{name}-decode.log", role="kv_consumer",
-                extra={"peers": [f"127.0.0.1:{control}"]}, cpus=decode_cpus, env=env,
-                **common,
-            )  # fmt: skip
+            sides = (
+                dict(role="kv_producer", extra={"control_port": control}, env=env),
+                dict(role="kv_consumer", extra={"peers": [f"127.0.0.1:{control}"]}, env=env),
+            )
         elif name == "nixl":
-            side = [free_port(), free_port()]
-            self.prefill = Server(
-                model, log_dir / f"{name}-prefill.log", kv_transfer_config=_nixl_config(),
-                cpus=prefill_cpus, env={**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side[0])},
-                **common,
-            )  # fmt: skip
-            self.decode = Server(
-                model, log_dir / f"{name}-decode.log", kv_transfer_config=_nixl_config(),
-                cpus=decode_cpus, env={**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side[1])},
-                **common,
-            )  # fmt: skip
+            sides = tuple(
+                dict(
+                    kv_transfer_config=_nixl_config(),
+                    env={**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+                )
+                for _ in range(2)
+            )
         else:
             raise ValueError(f"unknown connector {name!r} (known: {', '.join(CONNECTORS)})")
+        self.prefill, self.decode = (
+            Server(
+                model,
+                log_dir / f"{name}-{side}.log",
+                cpus=cpus,
+                dtype=args.dtype,
+                python=args.python,
+                **kw,
+            )
+            for side, cpus, kw in zip(("prefill", "decode"), cpu_halves(), sides, strict=True)
+        )
 
     def wait_ready(self) -> None:
         self.prefill.wait_ready()

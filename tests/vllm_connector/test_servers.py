@@ -96,24 +96,20 @@ def pd(request, tmp_path_factory):
     secret.write_text(secrets.token_urlsafe(24))
     control, zeros_control = free_port(), free_port()
     prefill_cpus, decode_cpus = cpu_halves()
-    prefill = Server(
-        model,
-        root / "prefill.log",
-        dtype=dtype,
-        role="kv_producer",
-        extra={"control_port": control, "secret_file": str(secret)},
-        cpus=prefill_cpus,
-        env=env,
-    )
-    zeros = Server(
-        model,
-        root / "zeros.log",
-        dtype=dtype,
-        role="kv_producer",
-        extra={"control_port": zeros_control, "secret_file": str(secret)},
-        cpus=prefill_cpus,
-        env={**env, "HYBRID_PD_INJECT_FAULT": "zero_sends"},
-    )
+
+    def producer(name: str, port: int, fault: dict) -> Server:
+        return Server(
+            model,
+            root / f"{name}.log",
+            dtype=dtype,
+            role="kv_producer",
+            extra={"control_port": port, "secret_file": str(secret)},
+            cpus=prefill_cpus,
+            env={**env, **fault},
+        )
+
+    prefill = producer("prefill", control, {})
+    zeros = producer("zeros", zeros_control, {"HYBRID_PD_INJECT_FAULT": "zero_sends"})
     decode = Server(
         model,
         root / "decode.log",
