@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
+from hybrid_pd.api.tokenizer import Tokenizer
 from hybrid_pd.engine.registry import model_class
-from hybrid_pd.engine.tokenizer import Tokenizer
 from hybrid_pd.kvcache.hf_configs import load_config
 
 logger = logging.getLogger(__name__)

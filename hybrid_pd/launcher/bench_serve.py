@@ -276,7 +276,7 @@ def _run_setup(
         # P/D: every prompt takes the prefill worker. Aggregated: its one worker is in both
         # pools but no prompt reaches min_prefill_tokens, so each runs wholly on it.
         config = ProxyConfig(
-            model_name=model_name,
+            served_model_names=(model_name,),
             model_path=str(path),
             port=0,
             prefill_addresses=(workers[0].address,),
@@ -337,11 +337,11 @@ def bench_serve(
     progress: bool = True,
 ) -> dict[str, Any]:
     from hybrid_pd.engine.tiny import resolve_model
-    from hybrid_pd.proxy.config import model_info
 
     path = resolve_model(model)
     model_name = model if model == "tiny" else Path(model).name
-    vocab = model_info(path).vocab_size
+    cfg = json.loads((path / "config.json").read_text())
+    vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
     levels = list(concurrency)
     prompts = {c: [_prompt(f"{c}-{i}", prompt_len, vocab) for i in range(requests)] for c in levels}
     args = ["--model", str(path), "--kv-memory", kv_memory, "--threads", str(threads)]

@@ -217,11 +217,11 @@ def _cmd_generate_pd(args: argparse.Namespace) -> int:
     """One prefill and one decode worker process on 127.0.0.1; this process is the proxy."""
     import secrets
 
+    from hybrid_pd.api.tokenizer import Tokenizer
+    from hybrid_pd.api.wire import sampling_to_pb
     from hybrid_pd.engine.tiny import resolve_model
-    from hybrid_pd.engine.tokenizer import Tokenizer
     from hybrid_pd.launcher.local import start_worker
     from hybrid_pd.proxy.worker_client import WorkerClient
-    from hybrid_pd.workers.service import sampling_to_pb
 
     path = resolve_model(args.model)
     tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
@@ -278,6 +278,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, help="decode workers (default 1)")
     p.add_argument("--model", help="checkpoint folder or `tiny` (default)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        dest="served_model_names",
+        metavar="NAME",
+        help="ids clients pass as `model` (the first is listed; default: `tiny`, or the "
+        "checkpoint folder's name)",
+    )
     p.add_argument("--host", help="proxy address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="proxy port (default 8000; 0 picks one)")
     p.add_argument("--kv-memory", help="KV memory per worker (default 1GiB)")
@@ -346,6 +354,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "prefill",
         "decode",
         "model",
+        "served_model_names",
         "host",
         "port",
         "kv_memory",
@@ -401,6 +410,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_generate(sub)
     _add_serve(sub)
+    from hybrid_pd.proxy.__main__ import add_arguments, run
+
+    p = sub.add_parser("proxy", help="the OpenAI front door alone, in front of running workers")
+    add_arguments(p)
+    p.set_defaults(func=run)
     from hybrid_pd.launcher.bench import add_bench
 
     add_bench(sub)

@@ -9,9 +9,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-#: The worker reads its control-plane secret from this variable (never from argv here);
-#: the same name as `hybrid_pd.workers.main.SECRET_ENV`, without importing the worker stack.
-SECRET_ENV = "HYBRID_PD_SECRET"
+from hybrid_pd.api.secret import SECRET_ENV  # the worker reads its secret from it, not argv
 
 
 @dataclass

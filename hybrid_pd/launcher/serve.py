@@ -24,9 +24,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from hybrid_pd.api.secret import SECRET_ENV, given_secret
 from hybrid_pd.engine.engine import EngineConfig
 from hybrid_pd.kvcache.planner import parse_bytes
-from hybrid_pd.workers.main import SECRET_ENV, given_secret
 from hybrid_pd.workers.worker import DEFAULT_MAX_QUEUED, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,9 @@ def resolve_secret(
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = "tiny"
+    #: Ids clients pass as `model` (the first is listed); empty: `tiny`, or a checkpoint
+    #: folder's last component (the folder as given is accepted too).
+    served_model_names: tuple[str, ...] = ()
     prefill: int = 1
     decode: int = 1
     address: str | None = None  # Ray cluster; None: embedded local Ray
@@ -103,6 +106,11 @@ class ServeConfig:
     max_migrations: int = 3
 
     def __post_init__(self) -> None:
+        names = self.served_model_names
+        names = (names,) if isinstance(names, str) else tuple(names or ())
+        if any(not isinstance(n, str) or not n.strip() for n in names):
+            raise ValueError(f"served model names must be non-empty strings, got {names!r}")
+        object.__setattr__(self, "served_model_names", names)
         for name in ("max_queued", "max_pending"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -273,7 +281,7 @@ class Deployment:
         proxy_config = ProxyConfig(
             host=config.host,
             port=config.port,
-            model_name=config.model,
+            served_model_names=config.served_model_names,
             model_path=model_path,
             prefill_addresses=tuple(self.addresses["prefill"]),
             decode_addresses=tuple(self.addresses["decode"]),

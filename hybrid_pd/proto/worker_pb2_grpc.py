@@ -64,6 +64,11 @@ class WorkerStub:
                 request_serializer=hybrid__pd_dot_proto_dot_worker__pb2.AddPeersRequest.SerializeToString,
                 response_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.AddPeersReply.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/hybridpd.worker.Worker/Describe',
+                request_serializer=hybrid__pd_dot_proto_dot_worker__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.ModelCard.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -111,6 +116,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """What this worker serves: the proxy learns the model's limits from its workers, so it
+        never loads the model or re-derives the engine's rules.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +156,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.AddPeers,
                     request_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.AddPeersRequest.FromString,
                     response_serializer=hybrid__pd_dot_proto_dot_worker__pb2.AddPeersReply.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=hybrid__pd_dot_proto_dot_worker__pb2.DescribeRequest.FromString,
+                    response_serializer=hybrid__pd_dot_proto_dot_worker__pb2.ModelCard.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +325,33 @@ class Worker:
             '/hybridpd.worker.Worker/AddPeers',
             hybrid__pd_dot_proto_dot_worker__pb2.AddPeersRequest.SerializeToString,
             hybrid__pd_dot_proto_dot_worker__pb2.AddPeersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridpd.worker.Worker/Describe',
+            hybrid__pd_dot_proto_dot_worker__pb2.DescribeRequest.SerializeToString,
+            hybrid__pd_dot_proto_dot_worker__pb2.ModelCard.FromString,
             options,
             channel_credentials,
             insecure,

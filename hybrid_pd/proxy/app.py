@@ -12,13 +12,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybrid_pd.engine.tokenizer import Tokenizer
-from hybrid_pd.proxy.config import ProxyConfig, model_info
+from hybrid_pd.proxy.config import ProxyConfig
 from hybrid_pd.proxy.detok import TextStream
 from hybrid_pd.proxy.dispatch import Dispatcher, Job, TokenEvent
 from hybrid_pd.proxy.errors import ProxyError, bad_request
 from hybrid_pd.proxy.metrics import ProxyMetrics, RequestCounter
-from hybrid_pd.proxy.protocol import GenerationRequest, ModelContext, parse_chat, parse_completion
+from hybrid_pd.proxy.model import ServedModel
+from hybrid_pd.proxy.protocol import (
+    GenerationRequest,
+    ModelContext,
+    model_not_found,
+    parse_chat,
+    parse_completion,
+)
 from hybrid_pd.proxy.responses import ResponseBuilder, finish_reason, new_id, sse
 from hybrid_pd.proxy.routing import WorkerPool
 
@@ -31,23 +37,18 @@ class _ClientGone(Exception):
 
 
 def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
-    path = config.resolved_model_path()
-    tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
-    info = model_info(path, config.max_model_len)
-    ctx = ModelContext(
-        config.model_name,
-        tokenizer,
-        info.max_model_len,
-        info.vocab_size,
-        config.default_chat_max_tokens,
-    )
+    """Blocking: asks the workers what they serve (a proxy whose workers are all down
+    still starts, and learns it on the first request that finds one up)."""
+    served = ServedModel(config, pool)
+    if served.learn() is None:
+        logger.warning("no worker described its model yet; asking again on the first request")
     metrics = ProxyMetrics()
     dispatcher = Dispatcher(config, pool, metrics)
     created = int(time.time())
 
     app = FastAPI(title="hybrid-pd proxy", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.config, app.state.pool, app.state.metrics = config, pool, metrics
-    app.state.model = ctx
+    app.state.model = served
     app.add_middleware(RequestCounter, metrics=metrics)
 
     @app.exception_handler(ProxyError)
@@ -68,17 +69,26 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
         err = ProxyError(500, f"internal error: {type(e).__name__}: {e}")
         return JSONResponse(err.body(), status_code=500)
 
+    def model_card(name: str) -> dict:
+        card = {"id": name, "object": "model", "created": created, "owned_by": "hybrid-pd"}
+        if served.card is not None:
+            card["root"] = served.card.model
+            card["max_model_len"] = served.ctx.max_model_len
+        return card
+
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {
-            "id": ctx.name,
-            "object": "model",
-            "created": created,
-            "owned_by": "hybrid-pd",
-            "root": str(path),
-            "max_model_len": ctx.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        if served.card is None:
+            await asyncio.to_thread(served.learn)
+        return {"object": "list", "data": [model_card(n) for n in served.names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        if served.card is None:
+            await asyncio.to_thread(served.learn)
+        if name not in served.names:
+            raise model_not_found(name, served.names)
+        return model_card(name)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -96,19 +106,21 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
     async def completions(request: Request) -> Response:
         # Parsing tokenizes: a thread keeps a huge prompt from stalling everyone else.
         body = await _json(request)
-        return await _generate(request, await asyncio.to_thread(parse_completion, body, ctx))
+        ctx = await served.context()
+        return await _generate(request, ctx, await asyncio.to_thread(parse_completion, body, ctx))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _json(request)
-        return await _generate(request, await asyncio.to_thread(parse_chat, body, ctx))
+        ctx = await served.context()
+        return await _generate(request, ctx, await asyncio.to_thread(parse_chat, body, ctx))
 
-    async def _generate(request: Request, req: GenerationRequest) -> Response:
+    async def _generate(request: Request, ctx: ModelContext, req: GenerationRequest) -> Response:
         rid = new_id(req.kind)
-        builder = ResponseBuilder(req, ctx.name, rid)
+        builder = ResponseBuilder(req, req.model, rid)
         job = dispatcher.start(rid, req.prompt_ids, req.params, time.monotonic())
         metrics.tokens.labels("prompt").inc(len(req.prompt_ids))
-        text = TextStream(tokenizer, req.params.stop)
+        text = TextStream(ctx.tokenizer, req.params.stop)
         events = job.events()
         try:
             if req.stream:

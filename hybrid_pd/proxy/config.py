@@ -2,29 +2,24 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
-
-# The engine's rule (Engine.__init__): the model's maximum, 4096 when unknown, capped at 32768.
-DEFAULT_MAX_MODEL_LEN = 4096
-MAX_MODEL_LEN_CAP = 32768
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    #: The name clients pass as `model`.
-    model_name: str = "tiny"
-    #: Checkpoint folder (tokenizer + config.json); None: `resolve_model(model_name)`.
+    #: Ids clients may pass as `model` (the first is the one listed); empty: the workers'
+    #: model (`tiny`, or a checkpoint folder's last component, or the folder as given).
+    served_model_names: tuple[str, ...] = ()
+    #: Folder of tokenizer.json on this host; None: the folder the workers report.
     model_path: str | None = None
     prefill_addresses: tuple[str, ...] = ()
     decode_addresses: tuple[str, ...] = ()
     secret: str | None = None
     #: Prompts shorter than this skip the prefill pool and run wholly on a decode worker.
     min_prefill_tokens: int = 32
-    #: None: from config.json (max_position_embeddings), capped like the engine.
+    #: A lower limit than the workers' own (None: theirs).
     max_model_len: int | None = None
     #: Chat requests without max_tokens get at most this many tokens.
     default_chat_max_tokens: int = 256
@@ -69,8 +64,11 @@ class ProxyConfig:
             raise ValueError("host must be a non-empty string")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
-        if not isinstance(self.model_name, str) or not self.model_name.strip():
-            raise ValueError("model_name must be a non-empty string")
+        names = self.served_model_names
+        names = (names,) if isinstance(names, str) else tuple(names)
+        if any(not isinstance(n, str) or not n.strip() for n in names):
+            raise ValueError(f"served model names must be non-empty strings, got {names!r}")
+        object.__setattr__(self, "served_model_names", tuple(dict.fromkeys(names)))
         if self.model_path is not None:
             object.__setattr__(self, "model_path", str(self.model_path))
         if not isinstance(self.min_prefill_tokens, int) or self.min_prefill_tokens < 0:
@@ -103,11 +101,6 @@ class ProxyConfig:
         if self.failure_policy not in ("", "recompute", "fail"):
             raise ValueError("failure_policy must be '', 'recompute' or 'fail'")
 
-    def resolved_model_path(self) -> Path:
-        from hybrid_pd.engine.tiny import resolve_model
-
-        return resolve_model(self.model_path or self.model_name)
-
 
 def _check_address(field: str, addr: object) -> None:
     if not isinstance(addr, str) or ":" not in addr:
@@ -115,32 +108,3 @@ def _check_address(field: str, addr: object) -> None:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ValueError(f"{field}: expected 'host:port', got {addr!r}")
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the proxy knows of the served checkpoint without loading it."""
-
-    max_model_len: int
-    vocab_size: int | None
-
-
-def model_info(path: Path, max_model_len: int | None = None) -> ModelInfo:
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    text = cfg.get("text_config") or {}
-
-    def field(key: str):
-        value = text.get(key)
-        return cfg.get(key) if value is None else value
-
-    if max_model_len is None:
-        limit = field("max_position_embeddings")
-        try:  # the engine's own reading (per-architecture defaults included)
-            from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
-
-            limit = cache_spec_from_config(cfg).max_model_len or limit
-        except Exception:  # an architecture the engine does not know: config.json alone
-            pass
-        max_model_len = min(int(limit) if limit else DEFAULT_MAX_MODEL_LEN, MAX_MODEL_LEN_CAP)
-    vocab = field("vocab_size")
-    return ModelInfo(max_model_len, int(vocab) if vocab else None)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from hybrid_pd.engine.sampling import SamplingParams
+from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.proxy.errors import ProxyError, overloaded
 from hybrid_pd.proxy.legs import Leg, Pump, wait_grpc_future
 from hybrid_pd.proxy.metrics import ProxyMetrics

@@ -46,7 +46,7 @@ class ProxyError(Exception):
                 "message": self.message,
                 "type": self.type,
                 "param": self.param,
-                "code": self.code if self.code is not None else self.status,
+                "code": self.code,
             }
         }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_pd.engine.sampling import SamplingParams
+from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.proxy.errors import ProxyError, bad_request
 
 #: Sampling fields a SamplingParams error message starts with (to name the bad `param`).
@@ -14,8 +14,9 @@ _PARAM_NAMES = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_tok
 
 @dataclass(frozen=True)
 class ModelContext:
-    name: str
-    tokenizer: Any  # hybrid_pd.engine.tokenizer.Tokenizer or None
+    #: Ids clients may pass as `model`; the first is the one listed.
+    names: tuple[str, ...]
+    tokenizer: Any  # hybrid_pd.api.tokenizer.Tokenizer or None
     max_model_len: int
     vocab_size: int | None
     default_chat_max_tokens: int = 256
@@ -24,6 +25,7 @@ class ModelContext:
 @dataclass(frozen=True)
 class GenerationRequest:
     kind: str  # "completion" or "chat"
+    model: str  # as the client named it (one of ModelContext.names)
     prompt_ids: list[int]
     params: SamplingParams
     stream: bool
@@ -31,19 +33,25 @@ class GenerationRequest:
     return_token_ids: bool
 
 
-def check_model(body: dict, ctx: ModelContext) -> None:
+def check_model(body: dict, ctx: ModelContext) -> str:
     model = body.get("model")
     if model is None:
         raise bad_request("you must provide a model parameter", param="model")
     if not isinstance(model, str):
         raise bad_request("'model' must be a string", param="model")
-    if model != ctx.name:
-        raise ProxyError(
-            404,
-            f"The model `{model}` does not exist. This server serves `{ctx.name}`.",
-            param="model",
-            code="model_not_found",
-        )
+    if model not in ctx.names:
+        raise model_not_found(model, ctx.names)
+    return model
+
+
+def model_not_found(model: str, names: tuple[str, ...]) -> ProxyError:
+    served = ", ".join(f"`{n}`" for n in names)
+    return ProxyError(
+        404,
+        f"The model `{model}` does not exist. This server serves {served}.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def parse_completion(body: Any, ctx: ModelContext) -> GenerationRequest:
@@ -158,6 +166,7 @@ def _request(
         )
     return GenerationRequest(
         kind,
+        body["model"],
         prompt_ids,
         params,
         stream,

@@ -17,10 +17,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from hybrid_pd.engine.sampling import SamplingParams
+from hybrid_pd.api.sampling import SamplingParams
+from hybrid_pd.api.wire import sampling_to_pb
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proxy.worker_client import PrefillResult, WorkerClient
-from hybrid_pd.workers.service import sampling_to_pb
 
 logger = logging.getLogger(__name__)
 
@@ -363,6 +363,18 @@ class WorkerPool:
         request asks it to (a worker that just started may not have heard of it yet)."""
         if not self.knows_peer(w, prefill_address):
             self._add_peers(w, {prefill_address})
+
+    def describe(self) -> pb.ModelCard | None:
+        """Blocking: the model card of the first worker that answers (each asked once, within
+        the control deadline), or None when none does."""
+        with self._lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            try:
+                return w.client.describe(timeout_s=self.control_timeout_s)
+            except Exception as e:  # down, or a worker too old to describe itself
+                logger.debug("no model card from %s: %s", w.address, _describe(e))
+        return None
 
     def check_health(self) -> list[dict]:
         """Blocking: ask every worker now; one entry per worker."""

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
 
@@ -12,24 +14,47 @@ from hybrid_pd.proxy.app import build_app
 from hybrid_pd.proxy.config import ProxyConfig
 from hybrid_pd.proxy.routing import WorkerPool
 
+#: How long SIGTERM / SIGINT waits for requests in flight before closing their connections.
+DRAIN_S = 30
 
-def _uvicorn_config(config: ProxyConfig, pool: WorkerPool, port: int) -> uvicorn.Config:
+
+def _uvicorn_config(
+    config: ProxyConfig, pool: WorkerPool, port: int, drain_s: float = 5
+) -> uvicorn.Config:
     return uvicorn.Config(
         build_app(config, pool),
         host=config.host,
         port=port,
         log_level="warning",
         lifespan="off",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=drain_s,
     )
 
 
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that a SIGTERM / SIGINT that stopped it gracefully is not
+    raised again afterwards: the process then exits normally (status 0), not by the signal."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
 def run_proxy(config: ProxyConfig, pool: WorkerPool | None = None) -> None:
-    """Serve until interrupted (SIGINT/SIGTERM). Builds the pool from the config if none."""
+    """Serve until SIGINT/SIGTERM, then stop taking connections and let requests in flight
+    finish (up to DRAIN_S). Builds the pool from the config if none."""
     own = pool is None
     pool = pool or WorkerPool.from_config(config)
     try:
-        uvicorn.Server(_uvicorn_config(config, pool, config.port)).run()
+        _DrainingServer(_uvicorn_config(config, pool, config.port, DRAIN_S)).run()
     finally:
         if own:
             pool.close()

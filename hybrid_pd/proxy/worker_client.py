@@ -137,6 +137,12 @@ class WorkerClient:
             pb.HealthRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
         )
 
+    def describe(self, timeout_s: float | None = None) -> pb.ModelCard:
+        """What the worker serves (its model card)."""
+        return self._stub.Describe(
+            pb.DescribeRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
+        )
+
     def stats(self, timeout_s: float | None = None) -> dict:
         reply = self._stub.Stats(
             pb.StatsRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata

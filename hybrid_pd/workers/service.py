@@ -1,4 +1,4 @@
-"""The Worker gRPC service (async): Prefill, Generate, Abort, Stats, Health.
+"""The Worker gRPC service (async): Prefill, Generate, Abort, Stats, Health, Describe.
 
 Handlers never wait for the engine: they post work to the engine loop and await the
 request's outputs on an asyncio queue. Requests admitted and still waiting for their first
@@ -14,40 +14,14 @@ import logging
 
 import grpc
 
+from hybrid_pd.api.sampling import SamplingParams
+from hybrid_pd.api.wire import card_to_pb, sampling_from_pb
 from hybrid_pd.engine.engine import RequestOutput
 from hybrid_pd.engine.loop import RequestFailed
-from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
-
-
-def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=msg.max_tokens or 16,
-        temperature=msg.temperature,
-        top_k=msg.top_k,
-        top_p=msg.top_p or 1.0,
-        seed=msg.seed if msg.has_seed else None,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        stop=tuple(msg.stop),
-        ignore_eos=msg.ignore_eos,
-    )
-
-
-def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
-    return pb.Sampling(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        has_seed=p.seed is not None,
-        seed=p.seed or 0,
-        stop_token_ids=list(p.stop_token_ids),
-        stop=list(p.stop),
-        ignore_eos=p.ignore_eos,
-    )
 
 
 class RequestStream:
@@ -242,6 +216,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
         self.w.decode.connector.add_peers(list(request.prefill_addresses))
         return pb.AddPeersReply(known=self.w.decode.connector.known_peers)
+
+    async def Describe(self, request, context):
+        return card_to_pb(self.w.card)
 
     async def Health(self, request, context):
         return pb.HealthReply(

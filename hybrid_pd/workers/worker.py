@@ -18,6 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from hybrid_pd.api.card import ModelCard
 from hybrid_pd.connector.base import KVConnector
 from hybrid_pd.connector.control import AioServer, KVControlServicer
 from hybrid_pd.connector.layout import KVLayout
@@ -76,10 +77,12 @@ class Worker:
 
         self.config = config
         self.engine_id = f"{config.role}-{uuid.uuid4().hex[:10]}"
-        model, hf_config, tokenizer = load_model(resolve_model(config.model), config.device)
+        path = resolve_model(config.model)
+        model, hf_config, tokenizer = load_model(path, config.device)
         self.model_name = config.model
         kv_config, _ = plan_kv_cache(model, hf_config, config.engine)
-        self.layout = KVLayout.of(kv_config, _model_identity(hf_config, model))
+        identity = _model_identity(hf_config, model)
+        self.layout = KVLayout.of(kv_config, identity)
         ucx = ucx_options_for(config.host)
         if config.ucx_tls:
             ucx["TLS"] = config.ucx_tls
@@ -119,6 +122,15 @@ class Worker:
             worker=self.decode.connector if self.decode else None,
         )
         self.engine = Engine(model, hf_config, config.engine, tokenizer, connector)
+        self.card = ModelCard(
+            model=config.model,
+            path=str(path.resolve()),
+            architecture=(hf_config.get("architectures") or ["?"])[0],
+            max_model_len=self.engine.max_model_len,
+            vocab_size=_vocab_size(hf_config),
+            eos_token_ids=tuple(sorted(self.engine.eos_token_ids)),
+            identity=identity,
+        )
         self.loop = EngineLoop(self.engine)
         for role in (self.prefill, self.decode):
             if role is not None:
@@ -205,3 +217,8 @@ def _model_identity(hf_config: dict, model) -> str:
     digest = hashlib.sha256(head).hexdigest()[:16]
     n = sum(p.numel() for p in params)
     return json.dumps({"architecture": arch, "parameters": n, "weights": digest}, sort_keys=True)
+
+
+def _vocab_size(hf_config: dict) -> int | None:
+    vocab = (hf_config.get("text_config") or {}).get("vocab_size") or hf_config.get("vocab_size")
+    return int(vocab) if vocab else None

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from hybrid_pd.api.wire import sampling_to_pb
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.kvcache.grouping import HMAOffError, plan_groups
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
-from hybrid_pd.workers.service import sampling_to_pb
 from tests.checkpoints import BUILDERS, MAMBA_CHUNK, SW_WINDOW
 from tests.connector.pd_fixtures import (
     Pair,

@@ -11,10 +11,10 @@ import socket
 import grpc
 import pytest
 
+from hybrid_pd.api.wire import sampling_to_pb
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.launcher.local import start_worker
 from hybrid_pd.proxy.worker_client import WorkerClient
-from hybrid_pd.workers.service import sampling_to_pb
 from tests.checkpoints import qwen3_5
 from tests.connector.pd_fixtures import (
     KV_MEMORY,

@@ -69,6 +69,7 @@ def reference(tiny_path) -> Engine:
 
 
 def make_proxy(tiny_path, **fields) -> ProxyHandle:
+    fields.setdefault("served_model_names", ("tiny",))
     config = ProxyConfig(port=0, model_path=str(tiny_path), **fields)
     return ProxyHandle(config, WorkerPool.from_config(config)).start()
 

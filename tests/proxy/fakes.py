@@ -60,6 +60,10 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.calls.append(("abort", request.request_id))
         return pb.AbortReply(ok=False)
 
+    def Describe(self, request, context):
+        # Token-id limits only; the proxy's tokenizer comes from its own config (model_path).
+        return pb.ModelCard(model="tiny", architecture="Fake", max_model_len=4096)
+
     def Stats(self, request, context):
         stats = {
             "engine_id": "fake",

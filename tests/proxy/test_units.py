@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import grpc
 import pytest
 
-from hybrid_pd.engine.sampling import SamplingParams
-from hybrid_pd.engine.tokenizer import Tokenizer
-from hybrid_pd.proxy.config import ProxyConfig, model_info
+from hybrid_pd.api.card import ModelCard
+from hybrid_pd.api.sampling import SamplingParams
+from hybrid_pd.api.tokenizer import Tokenizer
+from hybrid_pd.api.wire import card_from_pb, card_to_pb
+from hybrid_pd.proxy.config import ProxyConfig
 from hybrid_pd.proxy.detok import TextStream
 from hybrid_pd.proxy.errors import ProxyError
 from hybrid_pd.proxy.protocol import ModelContext, parse_chat, parse_completion
@@ -29,7 +30,14 @@ pytestmark = pytest.mark.timeout(60)
 # -- config ---------------------------------------------------------------------------------
 def test_config_defaults_and_validation():
     c = ProxyConfig(decode_addresses=["127.0.0.1:1"])
-    assert (c.host, c.port, c.model_name, c.min_prefill_tokens) == ("127.0.0.1", 8000, "tiny", 32)
+    assert (c.host, c.port, c.served_model_names, c.min_prefill_tokens) == (
+        "127.0.0.1",
+        8000,
+        (),
+        32,
+    )
+    assert ProxyConfig(served_model_names="a").served_model_names == ("a",)
+    assert ProxyConfig(served_model_names=["a", "b", "a"]).served_model_names == ("a", "b")
     assert c.decode_addresses == ("127.0.0.1:1",)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.port = 1  # type: ignore[misc]
@@ -37,7 +45,8 @@ def test_config_defaults_and_validation():
         {"port": 70000},
         {"port": -1},
         {"host": ""},
-        {"model_name": " "},
+        {"served_model_names": (" ",)},
+        {"served_model_names": ("a", 3)},
         {"min_prefill_tokens": -1},
         {"prefill_addresses": ("nohost",)},
         {"decode_addresses": ("h:notaport",)},
@@ -50,20 +59,15 @@ def test_config_defaults_and_validation():
             ProxyConfig(**bad)
 
 
-def test_model_info_caps_like_the_engine(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["X"],
-                "text_config": {"max_position_embeddings": 10**6, "vocab_size": 300},
-            }
-        )
-    )
-    info = model_info(tmp_path)
-    assert (info.max_model_len, info.vocab_size) == (32768, 300)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["X"]}))
-    assert model_info(tmp_path).max_model_len == 4096
-    assert model_info(tmp_path, 100).max_model_len == 100
+def test_model_card_names_and_wire():
+    card = ModelCard("/ckpt/my-model/", "/ckpt/my-model", "X", 4096, 300, (2, 7), "id")
+    assert card.default_name == "my-model"
+    assert ModelCard("tiny", "/c/t", "X", 4096, None).default_name == "tiny"
+    assert card_from_pb(card_to_pb(card)) == card
+    assert card_from_pb(card_to_pb(dataclasses.replace(card, vocab_size=None))).vocab_size is None
+    for bad in ({"max_model_len": 1}, {"vocab_size": 0}):
+        with pytest.raises(ValueError):
+            dataclasses.replace(card, **bad)
 
 
 # -- request pieces -------------------------------------------------------------------------
@@ -200,7 +204,7 @@ def test_text_stream_holds_back_partial_utf8_and_stop_prefixes(tok):
 
 # -- parsing --------------------------------------------------------------------------------
 def test_parse_requests(tok):
-    ctx = ModelContext("tiny", tok, 100, 512, default_chat_max_tokens=50)
+    ctx = ModelContext(("tiny",), tok, 100, 512, default_chat_max_tokens=50)
     r = parse_completion({"model": "tiny", "prompt": [[1, 2, 3]], "stop": "x"}, ctx)
     assert r.prompt_ids == [1, 2, 3] and r.params.max_tokens == 16
     assert r.params.stop == ("x",) and r.params.temperature == 1.0 and not r.stream

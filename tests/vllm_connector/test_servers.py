@@ -148,8 +148,11 @@ def test_pd_equals_single_instance(pd):
     assert len({tuple(r) for r in refs}) == len(refs), "random weights too flat to tell"
     for prompt, ref in zip(prompts, refs, strict=True):
         assert pd.run(prompt) == ref, f"prompt of {len(prompt)} tokens"
-    after = _settle(pd.decode, "hybrid_pd_kv_pulls_total", before.get(
-        "hybrid_pd_kv_pulls_total", 0.0) + len(prompts))
+    after = _settle(
+        pd.decode,
+        "hybrid_pd_kv_pulls_total",
+        before.get("hybrid_pd_kv_pulls_total", 0.0) + len(prompts),
+    )
     assert after["hybrid_pd_kv_pulls_total"] - before.get("hybrid_pd_kv_pulls_total", 0) == 5
     assert after.get("hybrid_pd_kv_pull_failures_total", 0) == before.get(
         "hybrid_pd_kv_pull_failures_total", 0

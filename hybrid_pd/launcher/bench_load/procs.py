@@ -111,7 +111,7 @@ class Serve:
         log_dir: Path,
         timeout: float,
     ) -> None:
-        from hybrid_pd.workers.main import SECRET_ENV
+        from hybrid_pd.api.secret import SECRET_ENV
 
         self.secret = secrets.token_hex(16)
         self.prefill, self.decode, self.kv_memory = prefill, decode, kv_memory

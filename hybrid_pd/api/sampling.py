@@ -1,0 +1,53 @@
+"""Sampling parameters: how to pick tokens, checked once on construction (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 means greedy. Validated on construction."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        # Bounds are the wire's (int32 / int64 fields): past them a value cannot travel.
+        if not isinstance(self.max_tokens, int) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise ValueError(
+                f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}"
+            )
+        if not isinstance(self.top_k, int) or self.top_k > INT32_MAX:
+            raise ValueError(f"top_k must be an integer <= {INT32_MAX}, got {self.top_k!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not 0 <= self.seed <= INT64_MAX
+        ):
+            raise ValueError(f"seed must be an integer in [0, {INT64_MAX}], got {self.seed!r}")
+        if any(not 0 <= int(t) <= INT64_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers in [0, {INT64_MAX}]")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

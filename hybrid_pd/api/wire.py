@@ -1,0 +1,59 @@
+"""Protobuf <-> the shared dataclasses, at the edge of the proxy and of the workers."""
+
+from __future__ import annotations
+
+from hybrid_pd.api.card import ModelCard
+from hybrid_pd.api.sampling import SamplingParams
+from hybrid_pd.proto import worker_pb2 as pb
+
+
+def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
+    """Raises ValueError (naming the field) for values SamplingParams refuses."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens or 16,
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p or 1.0,
+        seed=msg.seed if msg.has_seed else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
+    return pb.Sampling(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        has_seed=p.seed is not None,
+        seed=p.seed or 0,
+        stop_token_ids=list(p.stop_token_ids),
+        stop=list(p.stop),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def card_to_pb(card: ModelCard) -> pb.ModelCard:
+    return pb.ModelCard(
+        model=card.model,
+        path=card.path,
+        architecture=card.architecture,
+        max_model_len=card.max_model_len,
+        vocab_size=card.vocab_size or 0,
+        eos_token_ids=list(card.eos_token_ids),
+        identity=card.identity,
+    )
+
+
+def card_from_pb(msg: pb.ModelCard) -> ModelCard:
+    return ModelCard(
+        model=msg.model,
+        path=msg.path,
+        architecture=msg.architecture,
+        max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size or None,
+        eos_token_ids=tuple(msg.eos_token_ids),
+        identity=msg.identity,
+    )
