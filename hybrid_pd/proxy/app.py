@@ -24,6 +24,8 @@ from hybrid_pd.proxy.protocol import (
     model_not_found,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_tokenize,
 )
 from hybrid_pd.proxy.responses import ResponseBuilder, finish_reason, new_id, sse
 from hybrid_pd.proxy.routing import WorkerPool
@@ -101,6 +103,19 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
     async def prometheus() -> Response:
         await asyncio.to_thread(pool.refresh)
         return Response(metrics.render(pool.snapshot()), media_type=metrics.content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = await _json(request)
+        ctx = await served.context()
+        ids = await asyncio.to_thread(parse_tokenize, body, ctx)
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = await _json(request)
+        ctx = await served.context()
+        return {"prompt": await asyncio.to_thread(parse_detokenize, body, ctx)}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

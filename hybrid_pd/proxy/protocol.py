@@ -5,11 +5,71 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_pd.api.sampling import SamplingParams
+from hybrid_pd.api.sampling import INT64_MAX, SamplingParams
 from hybrid_pd.proxy.errors import ProxyError, bad_request
 
 #: Sampling fields a SamplingParams error message starts with (to name the bad `param`).
 _PARAM_NAMES = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "stop")
+
+#: Fields honoured (or refused with a reason below when set to something other than the
+#: default); `user`, `metadata`, `store` and `service_tier` are bookkeeping and change nothing.
+_COMMON_FIELDS = frozenset(
+    {
+        "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k",
+        "seed", "stop", "stop_token_ids", "ignore_eos", "return_token_ids", "n", "logprobs",
+        "presence_penalty", "frequency_penalty", "logit_bias", "user", "metadata", "store",
+        "service_tier",
+    }
+)  # fmt: skip
+_FIELDS = {
+    "completion": _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"},
+    "chat": _COMMON_FIELDS
+    | {
+        "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+        "parallel_tool_calls", "functions", "function_call", "response_format", "modalities",
+        "audio", "prediction", "reasoning_effort", "web_search_options",
+    },
+}  # fmt: skip
+#: Chat features this server does not have, refused when asked for (never silently ignored).
+_UNSUPPORTED_CHAT = {
+    "tools": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "reasoning_effort is not supported",
+}
+#: Roles a chat message may have; anything else is refused, never rendered.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+#: Bounds on list fields, far above any real use (each element costs work per token).
+MAX_STOP = 64
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _check_fields(body: dict, kind: str) -> None:
+    unknown = sorted(k for k in body if k not in _FIELDS[kind])
+    if unknown:
+        names = ", ".join(repr(k) for k in unknown[:8])
+        raise bad_request(f"unknown field(s) {names}", param=unknown[0])
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if kind != "chat":
+        return
+    for name, why in _UNSUPPORTED_CHAT.items():
+        if body.get(name) not in (None, [], {}):
+            raise bad_request(why, param=name)
+    if body.get("tool_choice") not in (None, "none"):
+        raise bad_request("tool calling is not supported", param="tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad_request(
+            "response_format other than {'type': 'text'} is not supported (no structured output)",
+            param="response_format",
+        )
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise bad_request("only the text modality is supported", param="modalities")
 
 
 @dataclass(frozen=True)
@@ -57,6 +117,7 @@ def model_not_found(model: str, names: tuple[str, ...]) -> ProxyError:
 def parse_completion(body: Any, ctx: ModelContext) -> GenerationRequest:
     body = _object(body)
     check_model(body, ctx)
+    _check_fields(body, "completion")
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("you must provide a prompt", param="prompt")
     if body.get("echo"):
@@ -73,6 +134,7 @@ def parse_completion(body: Any, ctx: ModelContext) -> GenerationRequest:
 def parse_chat(body: Any, ctx: ModelContext) -> GenerationRequest:
     body = _object(body)
     check_model(body, ctx)
+    _check_fields(body, "chat")
     messages = body.get("messages")
     if messages is None:
         raise bad_request("you must provide messages", param="messages")
@@ -80,11 +142,7 @@ def parse_chat(body: Any, ctx: ModelContext) -> GenerationRequest:
         raise bad_request("'messages' must be a non-empty list", param="messages")
     if ctx.tokenizer is None:
         raise bad_request("this model has no tokenizer: use /v1/completions with token ids")
-    rendered = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] needs a string 'role'", param="messages")
-        rendered.append({**m, "content": _content(m.get("content"), i)})
+    rendered = [_message(m, i) for i, m in enumerate(messages)]
     try:
         text = ctx.tokenizer.apply_chat_template(rendered)
     except Exception as e:  # jinja errors, raise_exception() in the template
@@ -126,6 +184,8 @@ def _request(
     elif isinstance(stop, str):
         stop = (stop,)
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOP:
+            raise bad_request(f"at most {MAX_STOP} stop strings", param="stop")
         stop = tuple(stop)
     else:
         raise bad_request("'stop' must be a string or a list of strings", param="stop")
@@ -134,6 +194,8 @@ def _request(
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
         raise bad_request("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", param="stop_token_ids")
     temperature = _opt_float(body, "temperature")
     top_p = _opt_float(body, "top_p")
     top_k = _opt_int(body, "top_k")
@@ -203,10 +265,27 @@ def _prompt_ids(prompt: Any, ctx: ModelContext) -> list[int]:
 def _check_ids(ids: list[int], ctx: ModelContext, param: str) -> list[int]:
     if not ids:
         raise bad_request(f"the {param} is empty", param=param)
-    vocab = ctx.vocab_size
-    if vocab is not None and any(not 0 <= t < vocab for t in ids):
+    vocab = ctx.vocab_size or INT64_MAX
+    if any(not 0 <= t < vocab for t in ids):
         raise bad_request(f"prompt token ids must be in [0, {vocab})", param=param)
     return ids
+
+
+def _message(m: Any, i: int) -> dict[str, str]:
+    """Only what the template renders: a known role and text content."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad_request(f"messages[{i}] needs a string 'role'", param="messages")
+    if m["role"] not in ROLES:
+        raise bad_request(
+            f"messages[{i}].role must be one of {', '.join(ROLES)}; got {m['role']!r}",
+            param="messages",
+        )
+    if m.get("tool_calls"):
+        raise bad_request(f"messages[{i}]: tool calls are not supported", param="messages")
+    unknown = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
+    if unknown:
+        raise bad_request(f"messages[{i}]: unknown field(s) {unknown}", param="messages")
+    return {"role": m["role"], "content": _content(m.get("content"), i)}
 
 
 def _content(content: Any, i: int) -> str:
@@ -219,7 +298,11 @@ def _content(content: Any, i: int) -> str:
                 raise bad_request(
                     f"messages[{i}]: only text content parts are supported", param="messages"
                 )
-            parts.append(str(part.get("text", "")))
+            if not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"messages[{i}]: a text part needs a string 'text'", param="messages"
+                )
+            parts.append(part["text"])
         return "".join(parts)
     if content is None:
         return ""
@@ -257,3 +340,50 @@ def _opt_bool(body: dict, name: str) -> bool | None:
     if not isinstance(v, bool):
         raise bad_request(f"'{name}' must be a boolean, got {v!r}", param=name)
     return v
+
+
+# -- /tokenize and /detokenize (as vLLM offers them) -------------------------------------------
+def parse_tokenize(body: Any, ctx: ModelContext) -> list[int]:
+    """Token ids of `prompt` (a string), or of `messages` rendered by the chat template."""
+    body = _object(body)
+    if "model" in body:
+        check_model(body, ctx)
+    unknown = sorted(set(body) - {"model", "prompt", "messages", "add_generation_prompt"})
+    if unknown:
+        raise bad_request(f"unknown field(s) {unknown}", param=unknown[0])
+    if ctx.tokenizer is None:
+        raise bad_request("this model has no tokenizer")
+    if ("prompt" in body) == ("messages" in body):
+        raise bad_request("give exactly one of 'prompt' and 'messages'", param="prompt")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise bad_request("'prompt' must be a string", param="prompt")
+        return ctx.tokenizer.encode(body["prompt"])
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", param="messages")
+    if _opt_bool(body, "add_generation_prompt") is False:
+        raise bad_request("add_generation_prompt false is not supported", param="messages")
+    rendered = [_message(m, i) for i, m in enumerate(messages)]
+    try:
+        return ctx.tokenizer.encode(ctx.tokenizer.apply_chat_template(rendered))
+    except Exception as e:  # jinja errors, raise_exception() in the template
+        raise bad_request(f"cannot apply the chat template: {e}", param="messages") from e
+
+
+def parse_detokenize(body: Any, ctx: ModelContext) -> str:
+    body = _object(body)
+    if "model" in body:
+        check_model(body, ctx)
+    unknown = sorted(set(body) - {"model", "tokens"})
+    if unknown:
+        raise bad_request(f"unknown field(s) {unknown}", param=unknown[0])
+    if ctx.tokenizer is None:
+        raise bad_request("this model has no tokenizer")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        raise bad_request("'tokens' must be a list of token ids", param="tokens")
+    vocab = ctx.vocab_size or INT64_MAX
+    if any(not 0 <= t < vocab for t in tokens):
+        raise bad_request(f"token ids must be in [0, {vocab})", param="tokens")
+    return ctx.tokenizer.decode(tokens, skip_special_tokens=False)

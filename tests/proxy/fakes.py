@@ -15,8 +15,8 @@ from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 
 
 class FakeWorker(pb_grpc.WorkerServicer):
-    """`prefill`: "unavailable" | "internal". `generate`: "error_chunk" | "silent" |
-    "unavailable"; `tokens` are sent first (one chunk each)."""
+    """`prefill`: "unavailable" | "internal". `generate`: "ok" | "error_chunk" | "silent" |
+    "unavailable"; `tokens` are sent first (one chunk each), then "ok" ends the request."""
 
     def __init__(self, prefill="unavailable", generate="error_chunk", tokens=(72, 105)):
         # Stats report a fully free pool, so the proxy prefers a fake over a real worker.
@@ -49,6 +49,9 @@ class FakeWorker(pb_grpc.WorkerServicer):
         context.add_callback(self.cancelled.set)
         for t in self.tokens:
             yield pb.GenerateChunk(token_ids=[t])
+        if self.generate_mode == "ok":
+            yield pb.GenerateChunk(finished=True, finish_reason="length")
+            return
         if self.generate_mode == "error_chunk":
             yield pb.GenerateChunk(finished=True, finish_reason="error", error="fake engine crash")
             return
