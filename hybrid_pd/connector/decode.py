@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import grpc
 
+from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.base import LoadResult, TransferFailed
 from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
 from hybrid_pd.connector.layout import KVLayout
-from hybrid_pd.connector.params import KVTransferParams
 from hybrid_pd.connector.segments import PagedPlan, TransferPlan
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 from hybrid_pd.proto import kv_control_pb2 as pb

@@ -17,9 +17,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
-from hybrid_pd.connector.params import KVTransferParams
 from hybrid_pd.connector.segments import PagedPlan, TransferPlan
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 

@@ -60,8 +60,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
+from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.layout import GroupGeometry, KVLayout
-from hybrid_pd.connector.params import KVTransferParams
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

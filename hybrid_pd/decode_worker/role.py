@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.decode import DecodeConnector
 from hybrid_pd.connector.layout import KVLayout
-from hybrid_pd.connector.params import KVTransferParams
 from hybrid_pd.engine.loop import EngineLoop
 
 #: While a request waits for blocks, its prefill lease is extended this often.
@@ -56,11 +56,11 @@ class DecodeRole:
         loop.add_hook(self._keep_leases)
 
     def request_kwargs(
-        self, kv_json: dict, prompt_ids: list[int], policy: str = ""
+        self, kv: KVTransferParams, prompt_ids: list[int], policy: str = ""
     ) -> tuple[str, dict]:
-        """Engine.add_request keywords for a request whose KV waits on a prefill worker;
-        returns (the prefill-side request id, kwargs). Raises ValueError for bad input."""
-        kv = KVTransferParams.from_dict(kv_json)
+        """Engine.add_request keywords for a request whose KV waits on a prefill worker
+        (`kv` already validated: `KVTransferParams.from_pb`); returns (the prefill-side
+        request id, kwargs). Raises ValueError when `kv` or `policy` do not fit."""
         if kv.prompt_len != len(prompt_ids):
             raise ValueError(
                 f"kv_transfer_params.prompt_len is {kv.prompt_len} but the prompt "

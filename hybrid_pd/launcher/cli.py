@@ -253,7 +253,7 @@ def _cmd_generate_pd(args: argparse.Namespace) -> int:
             if out.error:
                 raise RuntimeError(f"decode failed: {out.error}")
             tokens, reason, transfer = out.token_ids, out.finish_reason, out.transfer
-            transfer["blocks"] = sum(len(g) for g in first.kv_transfer_params["block_ids"])
+            transfer["blocks"] = first.kv_transfer_params.num_blocks
         stats = [c.stats() for c in (prefill, decode)]
     finally:
         for w in workers:

@@ -188,10 +188,16 @@ class Job:
                     d.metrics.failure("prefill_fallback")
                     return None
                 continue
+            leg.transfer_token = reply.kv_transfer_params.transfer_token  # "": none kept
+            try:
+                result = prefill_result(reply)
+            except ValueError as e:  # a worker that answers this is broken, not busy
+                leg.abort()
+                raise ProxyError(
+                    500, f"prefill worker {worker.address} sent {e}", kind="prefill_error"
+                ) from e
             leg.release()
             d.pool.mark_ok(worker)
-            result = prefill_result(reply)
-            leg.transfer_token = (result.kv_transfer_params or {}).get("transfer_token", "")
             return result
 
     def _take_fallback(self) -> bool:
@@ -265,7 +271,7 @@ class Job:
     async def _decode_leg(self, worker: WorkerState, call, with_kv: bool):
         d = self.d
         if with_kv:
-            source = call.kv_transfer_params.get("control_address", "")
+            source = call.kv_transfer_params.control_address
             if source and not d.pool.knows_peer(worker, source):
                 await asyncio.to_thread(d.pool.ensure_peer, worker, source)
         stream = worker.client.generate_stream(

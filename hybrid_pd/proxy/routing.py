@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.api.wire import sampling_to_pb
 from hybrid_pd.proto import worker_pb2 as pb
@@ -44,7 +45,7 @@ class DecodeCall:
     request_id: str
     prompt_ids: list[int]
     sampling: pb.Sampling
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
     failure_policy: str = ""
     output_ids: tuple[int, ...] = ()
 
@@ -82,10 +83,10 @@ def prepare_decode_request(
         raise ValueError("a decode leg resumes either from kv_transfer_params or output_ids")
     kv = None
     if prefill is not None:
-        if prefill.finished or not prefill.kv_transfer_params:
+        if prefill.finished or prefill.kv_transfer_params is None:
             raise ValueError("the prefill already finished the request: nothing to decode")
-        kv = dict(prefill.kv_transfer_params)
-        if kv.get("prompt_len", len(prompt_ids)) != len(prompt_ids):
+        kv = prefill.kv_transfer_params
+        if kv.prompt_len != len(prompt_ids):
             raise ValueError("kv_transfer_params do not describe this prompt")
     return DecodeCall(
         f"{request_id}-d{attempt}",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import Message
 
+from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 
@@ -19,7 +20,7 @@ class PrefillResult:
     first_token: int
     finished: bool
     finish_reason: str
-    kv_transfer_params: dict | None
+    kv_transfer_params: KVTransferParams | None
 
 
 @dataclass
@@ -75,7 +76,7 @@ class WorkerClient:
         request_id: str,
         prompt_ids: list[int],
         sampling: pb.Sampling,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
         failure_policy: str = "",
         timeout_s: float | None = None,
         output_ids: list[int] | tuple[int, ...] = (),
@@ -87,9 +88,7 @@ class WorkerClient:
                 request_id=request_id,
                 prompt_ids=prompt_ids,
                 sampling=sampling,
-                kv_transfer_params_json=json.dumps(kv_transfer_params)
-                if kv_transfer_params
-                else "",
+                kv_transfer_params=kv_transfer_params.to_pb() if kv_transfer_params else None,
                 failure_policy=failure_policy,
                 output_ids=list(output_ids),
             ),
@@ -144,12 +143,39 @@ class WorkerClient:
         )
 
     def stats(self, timeout_s: float | None = None) -> dict:
+        """The worker's Stats as a dict (`stats_from_pb`)."""
         reply = self._stub.Stats(
             pb.StatsRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
         )
-        return json.loads(reply.json)
+        return stats_from_pb(reply)
 
 
 def prefill_result(reply: pb.PrefillReply) -> PrefillResult:
-    kv = json.loads(reply.kv_transfer_params_json) if reply.kv_transfer_params_json else None
+    """The reply, its kv_transfer_params parsed (ValueError when they are malformed)."""
+    kv = None
+    if reply.HasField("kv_transfer_params"):
+        kv = KVTransferParams.from_pb(reply.kv_transfer_params)
     return PrefillResult(reply.first_token, reply.finished, reply.finish_reason, kv)
+
+
+def stats_from_pb(reply: pb.StatsReply) -> dict:
+    """The typed StatsReply as the dict a worker's `stats()` returns: its scalar fields, the
+    role sections only for the worker's roles (`leases` and `prefill_connector` on prefill,
+    `peers` and `decode_connector` on decode), `transport`."""
+    out = _scalars(reply)
+    out["transport"] = _scalars(reply.transport)
+    if reply.HasField("prefill"):
+        out["leases"] = reply.prefill.leases
+        out["prefill_connector"] = _scalars(reply.prefill.connector)
+    if reply.HasField("decode"):
+        out["peers"] = list(reply.decode.peers)
+        out["decode_connector"] = _scalars(reply.decode.connector)
+    return out
+
+
+def _scalars(msg: Message) -> dict:
+    return {
+        f.name: getattr(msg, f.name)
+        for f in msg.DESCRIPTOR.fields
+        if f.type != f.TYPE_MESSAGE and not f.is_repeated
+    }

@@ -9,11 +9,11 @@ RESOURCE_EXHAUSTED, which the proxy answers by holding the request or trying els
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 
 import grpc
 
+from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.api.wire import card_to_pb, sampling_from_pb
 from hybrid_pd.engine.engine import RequestOutput
@@ -117,13 +117,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e}")
         finally:
             stream.close()
-        kv = out.kv_transfer_params
-        return pb.PrefillReply(
+        kv = out.kv_transfer_params  # the prefill connector's dict (engine contract)
+        reply = pb.PrefillReply(
             first_token=out.token_ids[0],
             finished=kv is None,
             finish_reason=out.finish_reason or "",
-            kv_transfer_params_json=json.dumps(kv) if kv else "",
         )
+        if kv is not None:
+            reply.kv_transfer_params.CopyFrom(KVTransferParams.from_dict(kv).to_pb())
+        return reply
 
     # -- generate ---------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -131,7 +133,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         prompt = list(request.prompt_ids)
         rid = request.request_id or None
         kwargs: dict = {}
-        if request.kv_transfer_params_json:
+        if request.HasField("kv_transfer_params"):
             if self.w.decode is None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a decode worker")
             if request.output_ids:
@@ -141,9 +143,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 )
             try:
                 kv_rid, kwargs = self.w.decode.request_kwargs(
-                    json.loads(request.kv_transfer_params_json), prompt, request.failure_policy
+                    KVTransferParams.from_pb(request.kv_transfer_params),
+                    prompt,
+                    request.failure_policy,
                 )
-            except ValueError as e:  # json.JSONDecodeError included
+            except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             rid = rid or kv_rid
         elif request.output_ids:
@@ -209,7 +213,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.AbortReply(ok=found)
 
     async def Stats(self, request, context):
-        return pb.StatsReply(json=json.dumps(self.w.stats()))
+        return stats_to_pb(self.w.stats())
 
     async def AddPeers(self, request, context):
         if self.w.decode is None:
@@ -234,6 +238,32 @@ async def _sampling(msg: pb.Sampling, context) -> SamplingParams:
         return sampling_from_pb(msg)
     except ValueError as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+def stats_to_pb(stats: dict) -> pb.StatsReply:
+    """`Worker.stats()` as the typed reply. A key the schema lacks raises ValueError (the
+    proto and the dict must change together)."""
+    flat = {k: v for k, v in stats.items() if k not in _SECTIONS}
+    reply = pb.StatsReply(**flat, transport=pb.TransportStats(**stats["transport"]))
+    if "prefill_connector" in stats:
+        reply.prefill.CopyFrom(
+            pb.PrefillRoleStats(
+                leases=stats["leases"],
+                connector=pb.PrefillConnectorStats(**stats["prefill_connector"]),
+            )
+        )
+    if "decode_connector" in stats:
+        reply.decode.CopyFrom(
+            pb.DecodeRoleStats(
+                peers=stats["peers"],
+                connector=pb.DecodeConnectorStats(**stats["decode_connector"]),
+            )
+        )
+    return reply
+
+
+#: Keys of `Worker.stats()` that go to the reply's sub-messages.
+_SECTIONS = ("transport", "leases", "prefill_connector", "peers", "decode_connector")
 
 
 def _transfer_pb(out: RequestOutput) -> pb.TransferStats:

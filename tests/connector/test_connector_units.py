@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
+from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.base import SupportsHMA, TransferFailed
 from hybrid_pd.connector.layout import KVLayout
-from hybrid_pd.connector.params import KVTransferParams
 from hybrid_pd.connector.prefill import PrefillConnector
 from hybrid_pd.connector.segments import Segment, plan_segments
 from hybrid_pd.kvcache.grouping import plan_groups
@@ -19,6 +20,7 @@ from hybrid_pd.kvcache.specs import (
     SlidingWindowSpec,
     gdn_state_spec,
 )
+from hybrid_pd.proto import worker_pb2 as pb
 
 
 def model(window: int = 32) -> ModelCacheSpec:
@@ -52,6 +54,41 @@ def test_params_round_trip_and_validation():
         KVTransferParams.from_dict(p.to_dict() | {"block_ids": [[0, 1]]})
     with pytest.raises(ValueError, match="JSON object"):
         KVTransferParams.from_dict([1, 2])
+    with pytest.raises(ValueError, match="transfer_token"):
+        KVTransferParams.from_dict(p.to_dict() | {"transfer_token": ""})
+
+
+def test_params_round_trip_through_the_proto_exactly():
+    # Several groups, one with nothing to ship (e.g. a window with only null blocks).
+    p = KVTransferParams(
+        "r1", ((1, 2, 3), (), (2**40,)), 10, 0, "prefill-x", "127.0.0.1:1", "f" * 32, "t"
+    )
+    wire = pb.KVTransferParams.FromString(p.to_pb().SerializeToString())
+    assert [list(g.ids) for g in wire.block_ids] == [[1, 2, 3], [], [2**40]]
+    assert KVTransferParams.from_pb(wire) == p
+    assert KVTransferParams.from_pb(wire).to_pb() == wire
+    assert KVTransferParams.from_dict(p.to_dict()) == KVTransferParams.from_pb(p.to_pb())
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("request_id", ""),
+        ("engine_id", ""),
+        ("control_address", ""),
+        ("fingerprint", ""),
+        ("transfer_token", ""),
+        ("prompt_len", 0),
+        ("first_token", -1),
+        ("block_ids", ((1,), (0, 2))),
+        ("block_ids", ((-3,),)),
+    ],
+)
+def test_params_from_the_proto_name_the_bad_field(field, value):
+    p = KVTransferParams("r1", ((1, 2), (3,)), 10, 42, "prefill-x", "127.0.0.1:1", "f" * 32, "t")
+    msg = replace(p, **{field: value}).to_pb()
+    with pytest.raises(ValueError, match=rf"kv_transfer_params\.{field}"):
+        KVTransferParams.from_pb(msg)
 
 
 def test_layout_difference_names_the_field():

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from hybrid_pd.api.wire import sampling_to_pb
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.kvcache.grouping import HMAOffError, plan_groups
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
+from hybrid_pd.proto import worker_pb2 as pb
+from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 from tests.checkpoints import BUILDERS, MAMBA_CHUNK, SW_WINDOW
 from tests.connector.pd_fixtures import (
     Pair,
@@ -60,3 +63,42 @@ def test_pd_output_equals_single_engine(arch):
             assert spec.state_layers  # Mamba/GDN models cannot run with HMA off at all
     for client in (pair.prefill, pair.decode):
         wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
+
+
+def test_stats_reply_is_typed(arch):
+    """Stats cross the wire as typed fields; each role's section is there on its role only,
+    and the counters saw the transfer."""
+    name, _, pair, _ = arch
+    sampling = sampling_to_pb(SamplingParams(max_tokens=2, ignore_eos=True))
+    p = prompt(2 * SW_WINDOW + 3, seed=99)
+    first = pair.prefill.prefill(f"{name}-stats", p, sampling)
+    out = pair.decode.generate(f"{name}-stats", p, sampling, first.kv_transfer_params)
+    assert out.error == "" and not out.transfer["recomputed"]
+    moved = out.transfer["bytes"]
+    for client in (pair.prefill, pair.decode):
+        wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
+    replies = {}
+    for role, proc in zip(("prefill", "decode"), pair.procs, strict=True):
+        with grpc.insecure_channel(proc.address) as channel:
+            r = pb_grpc.WorkerStub(channel).Stats(pb.StatsRequest(), timeout=30)
+        assert (r.role, r.address) == (role, proc.address) and r.engine_id.startswith(role)
+        assert r.model and r.page_size_bytes > 0 and r.block_size > 0
+        assert r.num_blocks > 1 and r.free_blocks == r.num_blocks - 1
+        assert (r.kv_requests, r.running, r.waiting, r.receiving) == (0, 0, 0, 0)
+        assert r.integrity == "ok" and r.published_at > 0
+        assert r.HasField("prefill") == (role == "prefill")
+        assert r.HasField("decode") == (role == "decode")
+        replies[role] = r
+    pre, dec = replies["prefill"], replies["decode"]
+    assert pre.prefill.leases == 0
+    assert pre.prefill.connector.handed_over >= 1 and pre.prefill.connector.pulled >= 1
+    assert pre.prefill.connector.bytes_sent >= moved and pre.transport.bytes_sent >= moved
+    assert pair.procs[0].address in dec.decode.peers
+    c = dec.decode.connector
+    assert c.pulls >= 1 and c.bytes >= moved and c.seconds > 0 and c.last_error == ""
+    assert dec.transport.bytes_received >= moved and pre.transport.endpoints >= 1
+    # The client's dict view keeps the role sections apart too.
+    assert {"leases", "prefill_connector"} <= set(pair.prefill.stats())
+    assert not {"peers", "decode_connector"} & set(pair.prefill.stats())
+    assert {"peers", "decode_connector"} <= set(pair.decode.stats())
+    assert not {"leases", "prefill_connector"} & set(pair.decode.stats())

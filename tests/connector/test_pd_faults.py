@@ -7,6 +7,7 @@ Decode's policy on a failed pull: `recompute` (run the prompt locally; output un
 from __future__ import annotations
 
 import socket
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -62,7 +63,7 @@ def test_wrong_transfer_token(env):
     _, _, _, c, ref = env
     p = prompt(40, seed=11)
     first = c["prefill"].prefill("tok-1", p, SAMPLING)
-    spoofed = first.kv_transfer_params | {"transfer_token": "not-the-token"}
+    spoofed = replace(first.kv_transfer_params, transfer_token="not-the-token")
     with pytest.raises(grpc.RpcError, match="wrong transfer token") as e:
         c["decode"].generate("tok-1", p, SAMPLING, spoofed, failure_policy="fail")
     # ABORTED: the decode worker is alive (the proxy must not take it for dead).
@@ -86,7 +87,7 @@ def test_abort_frees_kept_blocks(env):
     with pytest.raises(grpc.RpcError):
         c["prefill"].abort("ab-1", transfer_token="not-the-token")
     assert c["prefill"].stats()["leases"] == 1
-    token = first.kv_transfer_params["transfer_token"]
+    token = first.kv_transfer_params.transfer_token
     assert c["prefill"].abort("ab-1", transfer_token=token)
     wait_until(lambda: no_leaks(c["prefill"].stats()), 5, "the aborted lease to be freed")
     out = c["decode"].generate("ab-1", p, SAMPLING, first.kv_transfer_params)
@@ -116,7 +117,7 @@ def test_layout_mismatch_is_refused_by_name(env):
     assert "layout" in e.value.details().lower()
     out = c["decode_other_layout"].generate("lay-2", p, SAMPLING, first.kv_transfer_params)
     assert out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
-    c["prefill"].abort("lay-1", transfer_token=first.kv_transfer_params["transfer_token"])
+    c["prefill"].abort("lay-1", transfer_token=first.kv_transfer_params.transfer_token)
     _leak_free(c["prefill"], c["decode_other_layout"])
 
 
@@ -185,12 +186,38 @@ def test_decode_never_dials_an_address_from_the_request(env):
         trap.listen(8)
         trap.settimeout(0.5)
         elsewhere = f"127.0.0.1:{trap.getsockname()[1]}"
-        spoofed = first.kv_transfer_params | {"control_address": elsewhere}
+        spoofed = replace(first.kv_transfer_params, control_address=elsewhere)
         with pytest.raises(grpc.RpcError, match="not a known prefill worker"):
             c["decode"].generate("dial-1", p, SAMPLING, spoofed, failure_policy="fail")
         out = c["decode"].generate("dial-2", p, SAMPLING, spoofed)  # recompute: still exact
         assert out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
         with pytest.raises(TimeoutError):
             trap.accept()
-    c["prefill"].abort("dial-1", transfer_token=first.kv_transfer_params["transfer_token"])
+    c["prefill"].abort("dial-1", transfer_token=first.kv_transfer_params.transfer_token)
+    _leak_free(c["prefill"], c["decode"])
+
+
+def test_malformed_params_are_refused_by_field(env):
+    """kv_transfer_params that cannot describe a hand-over: INVALID_ARGUMENT naming the
+    field, before anything is queued; the real hand-over is still there to abort."""
+    _, _, _, c, _ = env
+    p = prompt(30, seed=18)
+    first = c["prefill"].prefill("bad-1", p, SAMPLING)
+    kv = first.kv_transfer_params
+    for field, value in (
+        ("prompt_len", 0),
+        ("prompt_len", len(p) - 1),  # valid alone, but not this prompt's
+        ("first_token", -1),
+        ("block_ids", tuple((0, *g) for g in kv.block_ids)),
+        ("request_id", ""),
+        ("control_address", ""),
+        ("fingerprint", ""),
+        ("transfer_token", ""),
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            c["decode"].generate("bad-1", p, SAMPLING, replace(kv, **{field: value}))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert f"kv_transfer_params.{field}" in e.value.details(), e.value.details()
+    assert c["prefill"].stats()["leases"] == 1
+    assert c["prefill"].abort("bad-1", transfer_token=kv.transfer_token)
     _leak_free(c["prefill"], c["decode"])

@@ -3,7 +3,6 @@ way a test asks (unavailable, error chunk mid-stream, silence)."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from concurrent import futures
@@ -68,12 +67,13 @@ class FakeWorker(pb_grpc.WorkerServicer):
         return pb.ModelCard(model="tiny", architecture="Fake", max_model_len=4096)
 
     def Stats(self, request, context):
-        stats = {
-            "engine_id": "fake",
-            "role": "both",
-            "num_blocks": 100,
-            "free_blocks": 100,
-            "running": 0,
-            "waiting": 0,
-        }
-        return pb.StatsReply(json=json.dumps(stats))
+        return pb.StatsReply(
+            engine_id="fake",
+            role="both",
+            address=self.address,
+            num_blocks=100,
+            free_blocks=100,
+            running=0,
+            waiting=0,
+            integrity="ok",
+        )  # no role sections: the proxy sends the fake no AddPeers

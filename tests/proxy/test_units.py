@@ -9,9 +9,11 @@ import grpc
 import pytest
 
 from hybrid_pd.api.card import ModelCard
+from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.api.tokenizer import Tokenizer
 from hybrid_pd.api.wire import card_from_pb, card_to_pb
+from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proxy.config import ProxyConfig
 from hybrid_pd.proxy.detok import TextStream
 from hybrid_pd.proxy.errors import ProxyError
@@ -22,7 +24,8 @@ from hybrid_pd.proxy.routing import (
     prepare_prefill_request,
     wants_prefill,
 )
-from hybrid_pd.proxy.worker_client import PrefillResult
+from hybrid_pd.proxy.worker_client import PrefillResult, prefill_result, stats_from_pb
+from hybrid_pd.workers.service import stats_to_pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,7 +81,7 @@ def test_prepare_requests():
     assert p.sampling.max_tokens == 5 and p.sampling.has_seed and list(p.sampling.stop) == ["x"]
     d = prepare_decode_request("r", [1, 2, 3], params)
     assert d.request_id == "r-d0" and d.kv_transfer_params is None
-    kv = {"request_id": "r-p1", "prompt_len": 3, "first_token": 9}
+    kv = KVTransferParams("r-p1", ((4,),), 3, 9, "prefill-x", "127.0.0.1:1", "f" * 32, "t")
     d = prepare_decode_request("r", [1, 2, 3], params, PrefillResult(9, False, "", kv), "fail")
     assert d.kv_transfer_params == kv and d.failure_policy == "fail"
     with pytest.raises(ValueError):
@@ -89,6 +92,97 @@ def test_prepare_requests():
         prepare_prefill_request("r", [], params)
     assert wants_prefill(32, 32, 1) and not wants_prefill(31, 32, 1)
     assert not wants_prefill(100, 32, 0)
+
+
+def test_prefill_reply_params_are_parsed_at_the_edge():
+    kv = KVTransferParams("r-p0", ((1, 2), ()), 3, 9, "prefill-x", "127.0.0.1:1", "f" * 32, "t")
+    reply = pb.PrefillReply(first_token=9, kv_transfer_params=kv.to_pb())
+    wire = pb.PrefillReply.FromString(reply.SerializeToString())
+    assert prefill_result(wire) == PrefillResult(9, False, "", kv)
+    done = prefill_result(pb.PrefillReply(first_token=2, finished=True, finish_reason="stop"))
+    assert done.kv_transfer_params is None and done.finished
+    bad = pb.PrefillReply(kv_transfer_params=dataclasses.replace(kv, prompt_len=0).to_pb())
+    with pytest.raises(ValueError, match="prompt_len"):
+        prefill_result(bad)
+
+
+# -- worker stats on the wire ---------------------------------------------------------------
+def worker_stats(role: str) -> dict:
+    """What `Worker.stats()` returns (its keys, its value types) for `role`."""
+    out = {
+        "num_blocks": 64,
+        "free_blocks": 60,
+        "cached_blocks": 2,
+        "kv_requests": 1,
+        "running": 1,
+        "waiting": 0,
+        "receiving": 0,
+        "integrity": "ok",
+        "published_at": 1700000000.25,
+        "engine_id": f"{role}-0123456789",
+        "role": role,
+        "address": "127.0.0.1:5000",
+        "model": "tiny",
+        "page_size_bytes": 4096,
+        "block_size": 16,
+    }
+    if role in ("prefill", "both"):
+        out["leases"] = 2
+        out["prefill_connector"] = dict.fromkeys(
+            ("handed_over", "pulled", "released", "expired", "aborted", "bad_token"), 1
+        ) | {"bytes_sent": 1 << 40, "messages_sent": 7}
+    if role in ("decode", "both"):
+        out["decode_connector"] = {
+            "pulls": 3,
+            "failed": 1,
+            "bytes": 1 << 33,
+            "messages": 9,
+            "seconds": 0.5,
+            "last_error": "wrong transfer token",
+        }
+        out["peers"] = ["127.0.0.1:5001", "127.0.0.1:5002"]
+    out["transport"] = {
+        k: i
+        for i, k in enumerate(
+            (
+                "messages_sent",
+                "bytes_sent",
+                "messages_received",
+                "bytes_received",
+                "send_failures",
+                "recv_failures",
+                "drained",
+                "endpoints",
+                "pending_ops",
+                "orphan_sends",
+                "drain_pending",
+            )
+        )
+    }
+    return out
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "both"])
+def test_stats_cross_the_wire_typed(role):
+    stats = worker_stats(role)
+    reply = pb.StatsReply.FromString(stats_to_pb(stats).SerializeToString())
+    assert reply.HasField("prefill") == (role != "decode")
+    assert reply.HasField("decode") == (role != "prefill")
+    assert (reply.free_blocks, reply.block_size, reply.integrity) == (60, 16, "ok")
+    back = stats_from_pb(reply)
+    assert back == stats
+    # Same types as the worker's dict: counters stay ints, times floats.
+    assert {k: type(v) for k, v in back.items()} == {k: type(v) for k, v in stats.items()}
+
+
+def test_stats_schema_follows_the_worker():
+    """A counter the proto does not know fails loudly instead of vanishing."""
+    stats = worker_stats("prefill")
+    stats["prefill_connector"]["new_counter"] = 1
+    with pytest.raises(ValueError, match="new_counter"):
+        stats_to_pb(stats)
+    with pytest.raises(ValueError, match="new_field"):
+        stats_to_pb(worker_stats("decode") | {"new_field": 1})
 
 
 # -- worker picking -------------------------------------------------------------------------

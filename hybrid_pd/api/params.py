@@ -1,0 +1,108 @@
+"""kv_transfer_params: what a decode worker needs to pull one request's KV.
+
+On the wire between workers and the proxy it is the `KVTransferParams` proto message
+(`to_pb` / `from_pb`); inside vLLM's own kv_transfer_params it is a JSON object
+(`to_dict` / `from_dict`). Both parsers validate the same way and raise ValueError naming
+the bad field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hybrid_pd.proto import worker_pb2 as pb
+
+#: Fields that must be non-empty strings.
+_STRINGS = ("request_id", "engine_id", "control_address", "fingerprint", "transfer_token")
+_INTS = ("prompt_len", "first_token")
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    request_id: str
+    #: Per KV cache group, the prefill worker's block ids decode needs (null blocks dropped):
+    #: every block for full attention, the last window's blocks for sliding window, the
+    #: state page(s) for Mamba/GDN. A group may be empty (nothing of it to ship).
+    block_ids: tuple[tuple[int, ...], ...]
+    prompt_len: int
+    first_token: int
+    engine_id: str
+    control_address: str
+    fingerprint: str
+    transfer_token: str
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["block_ids"] = [list(g) for g in self.block_ids]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> KVTransferParams:
+        """Parse and validate a JSON object; raises ValueError naming the bad field."""
+        if not isinstance(d, dict):
+            raise ValueError("kv_transfer_params must be a JSON object")
+        for name in (*_STRINGS, *_INTS):
+            typ = str if name in _STRINGS else int
+            if not isinstance(d.get(name), typ) or isinstance(d.get(name), bool):
+                raise ValueError(f"kv_transfer_params.{name} is missing or not a {typ.__name__}")
+        groups = d.get("block_ids")
+        if not isinstance(groups, list) or not all(
+            isinstance(g, list) and all(isinstance(b, int) and not isinstance(b, bool) for b in g)
+            for g in groups
+        ):
+            raise ValueError("kv_transfer_params.block_ids must be a list of lists of block ids")
+        return cls(
+            request_id=d["request_id"],
+            block_ids=tuple(tuple(g) for g in groups),
+            prompt_len=d["prompt_len"],
+            first_token=d["first_token"],
+            engine_id=d["engine_id"],
+            control_address=d["control_address"],
+            fingerprint=d["fingerprint"],
+            transfer_token=d["transfer_token"],
+        ).validated()
+
+    def to_pb(self) -> pb.KVTransferParams:
+        return pb.KVTransferParams(
+            request_id=self.request_id,
+            block_ids=[pb.BlockIds(ids=g) for g in self.block_ids],
+            prompt_len=self.prompt_len,
+            first_token=self.first_token,
+            engine_id=self.engine_id,
+            control_address=self.control_address,
+            fingerprint=self.fingerprint,
+            transfer_token=self.transfer_token,
+        )
+
+    @classmethod
+    def from_pb(cls, msg: pb.KVTransferParams) -> KVTransferParams:
+        """Parse and validate the proto message; raises ValueError naming the bad field."""
+        return cls(
+            request_id=msg.request_id,
+            block_ids=tuple(tuple(g.ids) for g in msg.block_ids),
+            prompt_len=msg.prompt_len,
+            first_token=msg.first_token,
+            engine_id=msg.engine_id,
+            control_address=msg.control_address,
+            fingerprint=msg.fingerprint,
+            transfer_token=msg.transfer_token,
+        ).validated()
+
+    def validated(self) -> KVTransferParams:
+        """Self, when every field holds a usable value; else ValueError naming the field."""
+        for name in _STRINGS:
+            if not getattr(self, name):
+                raise ValueError(f"kv_transfer_params.{name} is empty")
+        if self.prompt_len < 1:
+            raise ValueError("kv_transfer_params.prompt_len must be positive")
+        if self.first_token < 0:
+            raise ValueError("kv_transfer_params.first_token must not be negative")
+        for g, ids in enumerate(self.block_ids):
+            if any(b < 1 for b in ids):
+                raise ValueError(f"kv_transfer_params.block_ids[{g}] holds a block id below 1")
+        return self
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.block_ids)
