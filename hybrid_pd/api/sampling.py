@@ -6,6 +6,17 @@ from dataclasses import dataclass, field
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
+#: Most alternatives a request may ask for per token (OpenAI's chat bound).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model's raw distribution (before temperature,
+    top-k or top-p), and the `top` most likely tokens at that position, best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -20,6 +31,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    #: Log-probabilities of each output token, with this many alternatives (None: off).
+    logprobs: int | None = None
+    #: Log-probabilities of each prompt token after the first, with this many alternatives
+    #: (None: off). Such a request computes its whole prompt (no prefix cache hit).
+    prompt_logprobs: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -42,6 +58,14 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS
+            ):
+                raise ValueError(
+                    f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}"
+                )
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not s for s in stop):

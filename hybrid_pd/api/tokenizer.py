@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+_REPLACEMENT = "\ufffd"
+
 
 class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
@@ -38,6 +40,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text for logprobs: decoded when it decodes on its own, else its
+        vocabulary entry (a piece of a multi-byte character), else `<token N>`."""
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if text and _REPLACEMENT not in text:
+            return text
+        return self._tok.id_to_token(token_id) or f"<token {token_id}>"
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         """Render chat messages to a prompt string (with the generation prompt appended)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybrid_pd.api.card import ModelCard
-from hybrid_pd.api.sampling import SamplingParams
+from hybrid_pd.api.sampling import SamplingParams, TokenLogprob
 from hybrid_pd.proto import worker_pb2 as pb
 
 
@@ -18,6 +18,8 @@ def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
 
 
@@ -32,7 +34,26 @@ def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
         stop_token_ids=list(p.stop_token_ids),
         stop=list(p.stop),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
     )
+
+
+def logprob_to_pb(lp: TokenLogprob | None) -> pb.TokenLogprob:
+    if lp is None:
+        return pb.TokenLogprob(known=False)
+    return pb.TokenLogprob(
+        known=True,
+        logprob=lp.logprob,
+        top_ids=[t for t, _ in lp.top],
+        top_logprobs=[v for _, v in lp.top],
+    )
+
+
+def logprob_from_pb(msg: pb.TokenLogprob) -> TokenLogprob | None:
+    if not msg.known:
+        return None
+    return TokenLogprob(msg.logprob, tuple(zip(msg.top_ids, msg.top_logprobs, strict=True)))
 
 
 def card_to_pb(card: ModelCard) -> pb.ModelCard:

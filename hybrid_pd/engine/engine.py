@@ -12,6 +12,7 @@ import torch
 
 from hybrid_pd.connector.base import KVConnector
 from hybrid_pd.engine.batch import make_batch
+from hybrid_pd.engine.logprobs import logprobs_of, score_prompt
 from hybrid_pd.engine.request import Request, Status
 from hybrid_pd.engine.sampling import SamplingParams, make_generator, sample
 from hybrid_pd.engine.scheduler import Scheduler, SchedulerConfig
@@ -52,6 +53,9 @@ class RequestOutput:
     recomputed: bool = False
     #: Set when the request failed (finish_reason "error").
     error: str | None = None
+    #: When the sampling params ask for them (see Request.logprobs / prompt_logprobs).
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 class Engine:
@@ -148,6 +152,10 @@ class Engine:
         req = Request(rid, prompt, params, self.eos_token_ids)
         req.all_ids = prompt + [int(t) for t in output_ids]
         req.generator = make_generator(params, self.device)
+        if params.logprobs is not None:
+            req.logprobs = [None] * len(output_ids)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(prompt)
         return req
 
     def free_request_blocks(self, request_id: str) -> None:
@@ -211,18 +219,28 @@ class Engine:
             ],
         )
         hidden = self.model(batch)
+        for seq, info in zip(sched.seqs, batch.seqs, strict=True):
+            if seq.request.prompt_logprobs is not None:
+                score_prompt(self.model, hidden, info, seq.request)
         sampling = [i for i, s in enumerate(sched.seqs) if s.samples]
         tokens: list[int] = []
+        scored: dict[int, object] = {}
         if sampling:
             last = batch.last_token_indices()[sampling]
             logits = self.model.compute_logits(hidden[last]).float()
             reqs = [sched.seqs[i].request for i in sampling]
             tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            rows = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
+            if rows:
+                values = logprobs_of(
+                    logits[rows], [tokens[j] for j in rows], [reqs[j].params.logprobs for j in rows]
+                )
+                scored = dict(zip(rows, values, strict=True))
         for seq in sched.seqs:
             self.scheduler.commit(seq)
-        for i, token in zip(sampling, tokens, strict=True):
+        for j, (i, token) in enumerate(zip(sampling, tokens, strict=True)):
             req = sched.seqs[i].request
-            req.append_token(token)
+            req.append_token(token, scored.get(j))
             self._check_stop_strings(req)
             if req.finish_reason is None and req.remote_decode:
                 self._hand_over(req)
@@ -290,6 +308,8 @@ class Engine:
             req.load_result,
             req.recomputed,
             req.error,
+            None if req.logprobs is None else list(req.logprobs),
+            req.prompt_logprobs,
         )
 
     def generate(

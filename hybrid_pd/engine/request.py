@@ -46,6 +46,10 @@ class Request:
     #: How the load went (connector.base.LoadResult), and whether it fell back to recompute.
     load_result: Any = None
     recomputed: bool = False
+    #: When the params ask for them: one TokenLogprob per output token (None for tokens
+    #: sampled elsewhere), and one per prompt token (the first is always None).
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         if not self.all_ids:
@@ -63,9 +67,12 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append_token(self, token: int) -> None:
-        """Add a sampled token and set finish_reason when a stop condition is met."""
+    def append_token(self, token: int, logprob: Any = None) -> None:
+        """Add a sampled token (and its TokenLogprob, when asked for) and set
+        finish_reason when a stop condition is met."""
         self.all_ids.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(logprob)
         p = self.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             self.finish_reason = "stop"

@@ -244,6 +244,8 @@ class Scheduler:
                 out.loads.append((req, ids))
                 continue
             hit = self.kv.find_prefix_hit(req.all_ids)
+            if req.params.prompt_logprobs is not None:  # every prompt position is scored
+                hit = self.kv.find_prefix_hit(())
             req.num_computed = hit.num_tokens
             n = self._chunk(req, budget)
             ids = self.kv.allocate_slots(rid, req.all_ids, n, hit)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chybrid_pd/proto/worker.proto\x12\x0fhybridpd.worker\"\x11\n\x0f\x44\x65scribeRequest\"\x92\x01\n\tModelCard\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x03\x12\x10\n\x08identity\x18\x07 \x01(\t\",\n\x0f\x41\x64\x64PeersRequest\x12\x19\n\x11prefill_addresses\x18\x01 \x03(\t\"\x1e\n\rAddPeersReply\x12\r\n\x05known\x18\x01 \x03(\t\"\xab\x01\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xd6\x01\n\x10KVTransferParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\tblock_ids\x18\x02 \x03(\x0b\x32\x19.hybridpd.worker.BlockIds\x12\x12\n\nprompt_len\x18\x03 \x01(\x03\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x03\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x06 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\x16\n\x0etransfer_token\x18\x08 \x01(\t\"e\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.hybridpd.worker.Sampling\"\x8b\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12=\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32!.hybridpd.worker.KVTransferParams\"\xd1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.hybridpd.worker.Sampling\x12=\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32!.hybridpd.worker.KVTransferParams\x12\x16\n\x0e\x66\x61ilure_policy\x18\x05 \x01(\t\x12\x12\n\noutput_ids\x18\x06 \x03(\x03\"U\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x10\n\x08messages\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x12\n\nrecomputed\x18\x04 \x01(\x08\"\x8c\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x30\n\x08transfer\x18\x05 \x01(\x0b\x32\x1e.hybridpd.worker.TransferStats\":\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\"\x18\n\nAbortReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xae\x01\n\x15PrefillConnectorStats\x12\x13\n\x0bhanded_over\x18\x01 \x01(\x03\x12\x0e\n\x06pulled\x18\x02 \x01(\x03\x12\x10\n\x08released\x18\x03 \x01(\x03\x12\x0f\n\x07\x65xpired\x18\x04 \x01(\x03\x12\x0f\n\x07\x61\x62orted\x18\x05 \x01(\x03\x12\x11\n\tbad_token\x18\x06 \x01(\x03\x12\x12\n\nbytes_sent\x18\x07 \x01(\x03\x12\x15\n\rmessages_sent\x18\x08 \x01(\x03\"{\n\x14\x44\x65\x63odeConnectorStats\x12\r\n\x05pulls\x18\x01 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x10\n\x08messages\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x12\n\nlast_error\x18\x06 \x01(\t\"\x82\x02\n\x0eTransportStats\x12\x15\n\rmessages_sent\x18\x01 \x01(\x03\x12\x12\n\nbytes_sent\x18\x02 \x01(\x03\x12\x19\n\x11messages_received\x18\x03 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\x12\x15\n\rsend_failures\x18\x05 \x01(\x03\x12\x15\n\rrecv_failures\x18\x06 \x01(\x03\x12\x0f\n\x07\x64rained\x18\x07 \x01(\x03\x12\x11\n\tendpoints\x18\x08 \x01(\x03\x12\x13\n\x0bpending_ops\x18\t \x01(\x03\x12\x14\n\x0corphan_sends\x18\n \x01(\x03\x12\x15\n\rdrain_pending\x18\x0b \x01(\x03\"]\n\x10PrefillRoleStats\x12\x0e\n\x06leases\x18\x01 \x01(\x03\x12\x39\n\tconnector\x18\x02 \x01(\x0b\x32&.hybridpd.worker.PrefillConnectorStats\"Z\n\x0f\x44\x65\x63odeRoleStats\x12\r\n\x05peers\x18\x01 \x03(\t\x12\x38\n\tconnector\x18\x02 \x01(\x0b\x32%.hybridpd.worker.DecodeConnectorStats\"\xc7\x03\n\nStatsReply\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fpage_size_bytes\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x03\x12\x12\n\nnum_blocks\x18\x07 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\x03\x12\x15\n\rcached_blocks\x18\t \x01(\x03\x12\x13\n\x0bkv_requests\x18\n \x01(\x03\x12\x0f\n\x07running\x18\x0b \x01(\x03\x12\x0f\n\x07waiting\x18\x0c \x01(\x03\x12\x11\n\treceiving\x18\r \x01(\x03\x12\x11\n\tintegrity\x18\x0e \x01(\t\x12\x14\n\x0cpublished_at\x18\x0f \x01(\x01\x12\x32\n\x07prefill\x18\x10 \x01(\x0b\x32!.hybridpd.worker.PrefillRoleStats\x12\x30\n\x06\x64\x65\x63ode\x18\x11 \x01(\x0b\x32 .hybridpd.worker.DecodeRoleStats\x12\x32\n\ttransport\x18\x12 \x01(\x0b\x32\x1f.hybridpd.worker.TransportStats\"\x0f\n\rHealthRequest\"R\n\x0bHealthReply\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06queued\x18\x03 \x01(\x05\x12\x12\n\nmax_queued\x18\x04 \x01(\x05\x32\x8d\x04\n\x06Worker\x12I\n\x07Prefill\x12\x1f.hybridpd.worker.PrefillRequest\x1a\x1d.hybridpd.worker.PrefillReply\x12N\n\x08Generate\x12 .hybridpd.worker.GenerateRequest\x1a\x1e.hybridpd.worker.GenerateChunk0\x01\x12\x43\n\x05\x41\x62ort\x12\x1d.hybridpd.worker.AbortRequest\x1a\x1b.hybridpd.worker.AbortReply\x12\x43\n\x05Stats\x12\x1d.hybridpd.worker.StatsRequest\x1a\x1b.hybridpd.worker.StatsReply\x12\x46\n\x06Health\x12\x1e.hybridpd.worker.HealthRequest\x1a\x1c.hybridpd.worker.HealthReply\x12L\n\x08\x41\x64\x64Peers\x12 .hybridpd.worker.AddPeersRequest\x1a\x1e.hybridpd.worker.AddPeersReply\x12H\n\x08\x44\x65scribe\x12 .hybridpd.worker.DescribeRequest\x1a\x1a.hybridpd.worker.ModelCardb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chybrid_pd/proto/worker.proto\x12\x0fhybridpd.worker\"\x11\n\x0f\x44\x65scribeRequest\"\x92\x01\n\tModelCard\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\x12\x12\n\nvocab_size\x18\x05 \x01(\x03\x12\x15\n\reos_token_ids\x18\x06 \x03(\x03\x12\x10\n\x08identity\x18\x07 \x01(\t\",\n\x0f\x41\x64\x64PeersRequest\x12\x19\n\x11prefill_addresses\x18\x01 \x03(\t\"\x1e\n\rAddPeersReply\x12\r\n\x05known\x18\x01 \x03(\t\"\x81\x02\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x00\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0b \x01(\x05H\x01\x88\x01\x01\x42\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"U\n\x0cTokenLogprob\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0f\n\x07top_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x01\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xd6\x01\n\x10KVTransferParams\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\tblock_ids\x18\x02 \x03(\x0b\x32\x19.hybridpd.worker.BlockIds\x12\x12\n\nprompt_len\x18\x03 \x01(\x03\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\x03\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x17\n\x0f\x63ontrol_address\x18\x06 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\x16\n\x0etransfer_token\x18\x08 \x01(\t\"e\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.hybridpd.worker.Sampling\"\xf9\x01\n\x0cPrefillReply\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x03\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12=\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32!.hybridpd.worker.KVTransferParams\x12\x34\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x1d.hybridpd.worker.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x1d.hybridpd.worker.TokenLogprob\"\xd1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.hybridpd.worker.Sampling\x12=\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32!.hybridpd.worker.KVTransferParams\x12\x16\n\x0e\x66\x61ilure_policy\x18\x05 \x01(\t\x12\x12\n\noutput_ids\x18\x06 \x03(\x03\"U\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x10\n\x08messages\x18\x02 \x01(\x05\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x12\n\nrecomputed\x18\x04 \x01(\x08\"\xf5\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x30\n\x08transfer\x18\x05 \x01(\x0b\x32\x1e.hybridpd.worker.TransferStats\x12/\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1d.hybridpd.worker.TokenLogprob\x12\x36\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1d.hybridpd.worker.TokenLogprob\":\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\"\x18\n\nAbortReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xae\x01\n\x15PrefillConnectorStats\x12\x13\n\x0bhanded_over\x18\x01 \x01(\x03\x12\x0e\n\x06pulled\x18\x02 \x01(\x03\x12\x10\n\x08released\x18\x03 \x01(\x03\x12\x0f\n\x07\x65xpired\x18\x04 \x01(\x03\x12\x0f\n\x07\x61\x62orted\x18\x05 \x01(\x03\x12\x11\n\tbad_token\x18\x06 \x01(\x03\x12\x12\n\nbytes_sent\x18\x07 \x01(\x03\x12\x15\n\rmessages_sent\x18\x08 \x01(\x03\"{\n\x14\x44\x65\x63odeConnectorStats\x12\r\n\x05pulls\x18\x01 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x02 \x01(\x03\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x10\n\x08messages\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x12\n\nlast_error\x18\x06 \x01(\t\"\x82\x02\n\x0eTransportStats\x12\x15\n\rmessages_sent\x18\x01 \x01(\x03\x12\x12\n\nbytes_sent\x18\x02 \x01(\x03\x12\x19\n\x11messages_received\x18\x03 \x01(\x03\x12\x16\n\x0e\x62ytes_received\x18\x04 \x01(\x03\x12\x15\n\rsend_failures\x18\x05 \x01(\x03\x12\x15\n\rrecv_failures\x18\x06 \x01(\x03\x12\x0f\n\x07\x64rained\x18\x07 \x01(\x03\x12\x11\n\tendpoints\x18\x08 \x01(\x03\x12\x13\n\x0bpending_ops\x18\t \x01(\x03\x12\x14\n\x0corphan_sends\x18\n \x01(\x03\x12\x15\n\rdrain_pending\x18\x0b \x01(\x03\"]\n\x10PrefillRoleStats\x12\x0e\n\x06leases\x18\x01 \x01(\x03\x12\x39\n\tconnector\x18\x02 \x01(\x0b\x32&.hybridpd.worker.PrefillConnectorStats\"Z\n\x0f\x44\x65\x63odeRoleStats\x12\r\n\x05peers\x18\x01 \x03(\t\x12\x38\n\tconnector\x18\x02 \x01(\x0b\x32%.hybridpd.worker.DecodeConnectorStats\"\xc7\x03\n\nStatsReply\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x17\n\x0fpage_size_bytes\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x03\x12\x12\n\nnum_blocks\x18\x07 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\x03\x12\x15\n\rcached_blocks\x18\t \x01(\x03\x12\x13\n\x0bkv_requests\x18\n \x01(\x03\x12\x0f\n\x07running\x18\x0b \x01(\x03\x12\x0f\n\x07waiting\x18\x0c \x01(\x03\x12\x11\n\treceiving\x18\r \x01(\x03\x12\x11\n\tintegrity\x18\x0e \x01(\t\x12\x14\n\x0cpublished_at\x18\x0f \x01(\x01\x12\x32\n\x07prefill\x18\x10 \x01(\x0b\x32!.hybridpd.worker.PrefillRoleStats\x12\x30\n\x06\x64\x65\x63ode\x18\x11 \x01(\x0b\x32 .hybridpd.worker.DecodeRoleStats\x12\x32\n\ttransport\x18\x12 \x01(\x0b\x32\x1f.hybridpd.worker.TransportStats\"\x0f\n\rHealthRequest\"R\n\x0bHealthReply\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0e\n\x06queued\x18\x03 \x01(\x05\x12\x12\n\nmax_queued\x18\x04 \x01(\x05\x32\x8d\x04\n\x06Worker\x12I\n\x07Prefill\x12\x1f.hybridpd.worker.PrefillRequest\x1a\x1d.hybridpd.worker.PrefillReply\x12N\n\x08Generate\x12 .hybridpd.worker.GenerateRequest\x1a\x1e.hybridpd.worker.GenerateChunk0\x01\x12\x43\n\x05\x41\x62ort\x12\x1d.hybridpd.worker.AbortRequest\x1a\x1b.hybridpd.worker.AbortReply\x12\x43\n\x05Stats\x12\x1d.hybridpd.worker.StatsRequest\x1a\x1b.hybridpd.worker.StatsReply\x12\x46\n\x06Health\x12\x1e.hybridpd.worker.HealthRequest\x1a\x1c.hybridpd.worker.HealthReply\x12L\n\x08\x41\x64\x64Peers\x12 .hybridpd.worker.AddPeersRequest\x1a\x1e.hybridpd.worker.AddPeersReply\x12H\n\x08\x44\x65scribe\x12 .hybridpd.worker.DescribeRequest\x1a\x1a.hybridpd.worker.ModelCardb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,43 +40,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADDPEERSREPLY']._serialized_start=263
   _globals['_ADDPEERSREPLY']._serialized_end=293
   _globals['_SAMPLING']._serialized_start=296
-  _globals['_SAMPLING']._serialized_end=467
-  _globals['_BLOCKIDS']._serialized_start=469
-  _globals['_BLOCKIDS']._serialized_end=492
-  _globals['_KVTRANSFERPARAMS']._serialized_start=495
-  _globals['_KVTRANSFERPARAMS']._serialized_end=709
-  _globals['_PREFILLREQUEST']._serialized_start=711
-  _globals['_PREFILLREQUEST']._serialized_end=812
-  _globals['_PREFILLREPLY']._serialized_start=815
-  _globals['_PREFILLREPLY']._serialized_end=954
-  _globals['_GENERATEREQUEST']._serialized_start=957
-  _globals['_GENERATEREQUEST']._serialized_end=1166
-  _globals['_TRANSFERSTATS']._serialized_start=1168
-  _globals['_TRANSFERSTATS']._serialized_end=1253
-  _globals['_GENERATECHUNK']._serialized_start=1256
-  _globals['_GENERATECHUNK']._serialized_end=1396
-  _globals['_ABORTREQUEST']._serialized_start=1398
-  _globals['_ABORTREQUEST']._serialized_end=1456
-  _globals['_ABORTREPLY']._serialized_start=1458
-  _globals['_ABORTREPLY']._serialized_end=1482
-  _globals['_STATSREQUEST']._serialized_start=1484
-  _globals['_STATSREQUEST']._serialized_end=1498
-  _globals['_PREFILLCONNECTORSTATS']._serialized_start=1501
-  _globals['_PREFILLCONNECTORSTATS']._serialized_end=1675
-  _globals['_DECODECONNECTORSTATS']._serialized_start=1677
-  _globals['_DECODECONNECTORSTATS']._serialized_end=1800
-  _globals['_TRANSPORTSTATS']._serialized_start=1803
-  _globals['_TRANSPORTSTATS']._serialized_end=2061
-  _globals['_PREFILLROLESTATS']._serialized_start=2063
-  _globals['_PREFILLROLESTATS']._serialized_end=2156
-  _globals['_DECODEROLESTATS']._serialized_start=2158
-  _globals['_DECODEROLESTATS']._serialized_end=2248
-  _globals['_STATSREPLY']._serialized_start=2251
-  _globals['_STATSREPLY']._serialized_end=2706
-  _globals['_HEALTHREQUEST']._serialized_start=2708
-  _globals['_HEALTHREQUEST']._serialized_end=2723
-  _globals['_HEALTHREPLY']._serialized_start=2725
-  _globals['_HEALTHREPLY']._serialized_end=2807
-  _globals['_WORKER']._serialized_start=2810
-  _globals['_WORKER']._serialized_end=3335
+  _globals['_SAMPLING']._serialized_end=553
+  _globals['_TOKENLOGPROB']._serialized_start=555
+  _globals['_TOKENLOGPROB']._serialized_end=640
+  _globals['_BLOCKIDS']._serialized_start=642
+  _globals['_BLOCKIDS']._serialized_end=665
+  _globals['_KVTRANSFERPARAMS']._serialized_start=668
+  _globals['_KVTRANSFERPARAMS']._serialized_end=882
+  _globals['_PREFILLREQUEST']._serialized_start=884
+  _globals['_PREFILLREQUEST']._serialized_end=985
+  _globals['_PREFILLREPLY']._serialized_start=988
+  _globals['_PREFILLREPLY']._serialized_end=1237
+  _globals['_GENERATEREQUEST']._serialized_start=1240
+  _globals['_GENERATEREQUEST']._serialized_end=1449
+  _globals['_TRANSFERSTATS']._serialized_start=1451
+  _globals['_TRANSFERSTATS']._serialized_end=1536
+  _globals['_GENERATECHUNK']._serialized_start=1539
+  _globals['_GENERATECHUNK']._serialized_end=1784
+  _globals['_ABORTREQUEST']._serialized_start=1786
+  _globals['_ABORTREQUEST']._serialized_end=1844
+  _globals['_ABORTREPLY']._serialized_start=1846
+  _globals['_ABORTREPLY']._serialized_end=1870
+  _globals['_STATSREQUEST']._serialized_start=1872
+  _globals['_STATSREQUEST']._serialized_end=1886
+  _globals['_PREFILLCONNECTORSTATS']._serialized_start=1889
+  _globals['_PREFILLCONNECTORSTATS']._serialized_end=2063
+  _globals['_DECODECONNECTORSTATS']._serialized_start=2065
+  _globals['_DECODECONNECTORSTATS']._serialized_end=2188
+  _globals['_TRANSPORTSTATS']._serialized_start=2191
+  _globals['_TRANSPORTSTATS']._serialized_end=2449
+  _globals['_PREFILLROLESTATS']._serialized_start=2451
+  _globals['_PREFILLROLESTATS']._serialized_end=2544
+  _globals['_DECODEROLESTATS']._serialized_start=2546
+  _globals['_DECODEROLESTATS']._serialized_end=2636
+  _globals['_STATSREPLY']._serialized_start=2639
+  _globals['_STATSREPLY']._serialized_end=3094
+  _globals['_HEALTHREQUEST']._serialized_start=3096
+  _globals['_HEALTHREQUEST']._serialized_end=3111
+  _globals['_HEALTHREPLY']._serialized_start=3113
+  _globals['_HEALTHREPLY']._serialized_end=3195
+  _globals['_WORKER']._serialized_start=3198
+  _globals['_WORKER']._serialized_end=3723
 # @@protoc_insertion_point(module_scope)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -12,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybrid_pd.api.sampling import INT64_MAX, SamplingParams
 from hybrid_pd.proxy.config import ProxyConfig
 from hybrid_pd.proxy.detok import TextStream
 from hybrid_pd.proxy.dispatch import Dispatcher, Job, TokenEvent
@@ -27,7 +29,7 @@ from hybrid_pd.proxy.protocol import (
     parse_detokenize,
     parse_tokenize,
 )
-from hybrid_pd.proxy.responses import ResponseBuilder, finish_reason, new_id, sse
+from hybrid_pd.proxy.responses import Choice, ResponseBuilder, finish_reason, new_id, sse
 from hybrid_pd.proxy.routing import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -132,54 +134,56 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
 
     async def _generate(request: Request, ctx: ModelContext, req: GenerationRequest) -> Response:
         rid = new_id(req.kind)
-        builder = ResponseBuilder(req, req.model, rid)
-        job = dispatcher.start(rid, req.prompt_ids, req.params, time.monotonic())
+        builder = ResponseBuilder(req, req.model, rid, ctx.tokenizer)
+        now = time.monotonic()
+        choices = [
+            _ChoiceRun(
+                i,
+                dispatcher.start(
+                    rid if req.n == 1 else f"{rid}-{i}",
+                    req.prompt_ids,
+                    _choice_params(req.params, i),
+                    now,
+                ),
+                TextStream(ctx.tokenizer, req.params.stop),
+            )
+            for i in range(req.n)
+        ]
         metrics.tokens.labels("prompt").inc(len(req.prompt_ids))
-        text = TextStream(ctx.tokenizer, req.params.stop)
-        events = job.events()
         try:
             if req.stream:
                 # Errors before the first token still get a proper status code.
-                first = await _until_disconnect(request, anext(events, None))
+                await _until_disconnect(request, asyncio.gather(*(c.start() for c in choices)))
                 return StreamingResponse(
-                    _stream(job, first, events, text, builder),
+                    _stream(choices, builder),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
-            body = await _until_disconnect(request, _whole(events, text, builder))
-            job.close()
-            return JSONResponse(body)
+            done = await _until_disconnect(request, asyncio.gather(*(c.whole() for c in choices)))
+            for c in choices:
+                c.job.close()
+            metrics.tokens.labels("completion").inc(sum(len(c.token_ids) for c in done))
+            return JSONResponse(builder.whole(done, choices[0].job.prompt_logprobs))
         except _ClientGone:
-            job.close()
+            for c in choices:
+                c.job.close()
             metrics.failure("client_disconnect")
             return Response(status_code=CLIENT_CLOSED)
         except BaseException:
-            job.close()
+            for c in choices:
+                c.job.close()
             raise
 
-    async def _whole(events, text: TextStream, builder: ResponseBuilder) -> dict:
-        parts: list[str] = []
-        ids: list[int] = []
-        reason = "stop"
-        async for delta, new, end in _pieces(None, events, text):
-            parts.append(delta)
-            ids += new
-            reason = end or reason
-        metrics.tokens.labels("completion").inc(len(ids))
-        return builder.whole("".join(parts), ids, reason)
-
-    async def _stream(
-        job: Job, first, events, text: TextStream, builder: ResponseBuilder
-    ) -> AsyncIterator[str]:
+    async def _stream(choices: list[_ChoiceRun], builder: ResponseBuilder) -> AsyncIterator[str]:
         produced = 0
         try:
             head = builder.first_chunk()
             if head is not None:
                 yield sse(head)
-            async for delta, new, reason in _pieces(first, events, text):
+            async for c, (delta, new, reason, logprobs) in _merged(choices):
                 produced += len(new)
-                if delta or reason or (builder.req.return_token_ids and new):
-                    yield sse(builder.chunk(delta, new, reason))
+                if delta or reason or (builder.req.return_token_ids and new) or logprobs:
+                    yield sse(builder.chunk(delta, new, reason, logprobs, c.index))
             if builder.req.include_usage:
                 yield sse(builder.usage_chunk(produced))
         except ProxyError as e:
@@ -194,33 +198,104 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
             metrics.failure("internal")
             yield sse(ProxyError(500, f"internal error: {type(e).__name__}: {e}").body())
         finally:
-            job.close()
+            for c in choices:
+                c.job.close()
             metrics.tokens.labels("completion").inc(produced)
         yield sse("[DONE]")
 
     return app
 
 
-async def _pieces(first: TokenEvent | None, events, text: TextStream):
-    """(text delta, new token ids, finish reason or None) until the request ends: at the
-    worker's end, or at a stop string (the proxy stops reading; Job.close aborts the rest)."""
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of n samples with seed + i (a seeded request stays repeatable)."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index) % (INT64_MAX + 1))
 
-    async def all_events():
-        if first is not None:
-            yield first
-        async for ev in events:
-            yield ev
 
-    async for ev in all_events():
-        delta = text.push(ev.token_ids)
-        if text.stopped:
-            yield delta, ev.token_ids, "stop"
-            return
-        if ev.finished:
-            yield delta + text.flush(), ev.token_ids, finish_reason(ev.finish_reason)
-            return
-        yield delta, ev.token_ids, None
-    raise ProxyError(500, "the request ended without an answer", kind="decode_error")
+class _ChoiceRun:
+    """One choice of a request: its job's events turned into text pieces."""
+
+    def __init__(self, index: int, job: Job, text: TextStream) -> None:
+        self.index = index
+        self.job = job
+        self.text = text
+        self.events = job.events()
+        self.first: TokenEvent | None = None
+
+    async def start(self) -> None:
+        """Wait for the first event (errors before any token surface here)."""
+        self.first = await anext(self.events, None)
+
+    async def pieces(self):
+        """(text delta, new token ids, finish reason or None, logprobs or None) until the
+        request ends: at the worker's end, or at a stop string (the proxy stops reading;
+        Job.close aborts the rest)."""
+
+        async def all_events():
+            if self.first is not None:
+                yield self.first
+            async for ev in self.events:
+                yield ev
+
+        async for ev in all_events():
+            delta = self.text.push(ev.token_ids)
+            if self.text.stopped:
+                yield delta, ev.token_ids, "stop", ev.logprobs
+                return
+            if ev.finished:
+                reason = finish_reason(ev.finish_reason)
+                yield delta + self.text.flush(), ev.token_ids, reason, ev.logprobs
+                return
+            yield delta, ev.token_ids, None, ev.logprobs
+        raise ProxyError(500, "the request ended without an answer", kind="decode_error")
+
+    async def whole(self) -> Choice:
+        out = Choice(self.index)
+        parts: list[str] = []
+        logprobs: list | None = None
+        async for delta, new, end, lps in self.pieces():
+            parts.append(delta)
+            out.token_ids += new
+            out.reason = end or out.reason
+            if lps is not None:
+                logprobs = (logprobs or []) + lps
+        out.text = "".join(parts)
+        if self.job.params.logprobs is not None:
+            out.logprobs = logprobs or []
+        return out
+
+
+async def _merged(choices: list[_ChoiceRun]):
+    """(choice, piece) from every choice as they come; the first error ends it all."""
+    if len(choices) == 1:
+        async for piece in choices[0].pieces():
+            yield choices[0], piece
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: _ChoiceRun) -> None:
+        try:
+            async for piece in c.pieces():
+                await queue.put((c, piece, None))
+        except Exception as e:  # handed to the consumer
+            await queue.put((c, None, e))
+        await queue.put((c, None, None))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        running = len(tasks)
+        while running:
+            c, piece, error = await queue.get()
+            if error is not None:
+                raise error
+            if piece is None:
+                running -= 1
+                continue
+            yield c, piece
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 #: Largest request body accepted (413 past it): a 4 MiB prompt is far past any context here.

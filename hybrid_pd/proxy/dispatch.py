@@ -19,6 +19,7 @@ the request on the workers it reached, unless it finished there.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from hybrid_pd.api.sampling import SamplingParams
+from hybrid_pd.api.sampling import SamplingParams, TokenLogprob
+from hybrid_pd.api.wire import logprob_from_pb
 from hybrid_pd.proxy.errors import ProxyError, overloaded
 from hybrid_pd.proxy.legs import Leg, Pump, wait_grpc_future
 from hybrid_pd.proxy.metrics import ProxyMetrics
@@ -57,6 +59,8 @@ class TokenEvent:
     token_ids: list[int]
     finished: bool = False
     finish_reason: str = ""
+    #: One per token when the sampling asked for logprobs, else None.
+    logprobs: list[TokenLogprob | None] | None = None
 
 
 class _Migrate(Exception):
@@ -98,6 +102,8 @@ class Job:
         self.migrations = 0
         #: Every output token produced so far (what a migrated stream resumes from).
         self.produced: list[int] = []
+        #: The prompt's logprobs once a worker computed them (when the sampling asks).
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self._last_token_at: float | None = None
 
     # -- the stream -------------------------------------------------------------------------
@@ -124,7 +130,11 @@ class Job:
             if prefill.finished:
                 self._finish()
             self.produced.append(prefill.first_token)
-            yield TokenEvent([prefill.first_token], prefill.finished, prefill.finish_reason)
+            self.prompt_logprobs = prefill.prompt_logprobs
+            logprobs = None if self.params.logprobs is None else [prefill.first_logprob]
+            yield TokenEvent(
+                [prefill.first_token], prefill.finished, prefill.finish_reason, logprobs
+            )
             if prefill.finished:
                 return
         async for event in self._decode(prefill):
@@ -215,10 +225,13 @@ class Job:
         deadline = time.monotonic() + d.config.queue_timeout_s
         while True:
             worker = await self._pick_decode(deadline)
+            params = self.params
+            if self.prompt_logprobs is not None:  # scored already: no leg computes them again
+                params = dataclasses.replace(params, prompt_logprobs=None)
             call = prepare_decode_request(
                 self.rid,
                 self.prompt_ids,
-                self.params,
+                params,
                 prefill,
                 d.config.failure_policy,
                 attempt,
@@ -296,6 +309,7 @@ class Job:
         # The worker sends every output token from the first, the ones it resumed from
         # (the prefill's first token, or a migrated stream's) included.
         seen: list[int] = []
+        seen_logprobs: list[TokenLogprob | None] = []
         while True:
             kind, item = await pump.get(d.config.stream_idle_timeout_s, worker.address)
             if kind == "error":
@@ -312,9 +326,16 @@ class Job:
             if chunk.error:
                 leg.abort()
                 raise _Migrate(f"worker error: {chunk.error}", status=500)
+            if chunk.prompt_logprobs and self.prompt_logprobs is None:
+                self.prompt_logprobs = [logprob_from_pb(lp) for lp in chunk.prompt_logprobs]
             seen += chunk.token_ids
+            seen_logprobs += [logprob_from_pb(lp) for lp in chunk.logprobs]
+            seen_logprobs += [None] * (len(seen) - len(seen_logprobs))  # a worker sent none
             # Output positions: seen[i] is the request's i-th output token.
             new = seen[len(self.produced) :]
+            logprobs = None
+            if self.params.logprobs is not None:
+                logprobs = seen_logprobs[len(self.produced) : len(seen)]
             self.produced += new
             if new:
                 self._observe(len(new))
@@ -322,10 +343,10 @@ class Job:
                 leg.release()
                 d.pool.mark_ok(worker)
                 self._finish()
-                yield TokenEvent(new, True, chunk.finish_reason)
+                yield TokenEvent(new, True, chunk.finish_reason, logprobs)
                 return
             if new:
-                yield TokenEvent(new)
+                yield TokenEvent(new, logprobs=logprobs)
 
     def _leg_error(self, leg: Leg, worker: WorkerState, e, started: bool) -> Exception:
         if isinstance(e, ProxyError):  # the idle timeout

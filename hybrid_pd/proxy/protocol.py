@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 #: Bounds on list fields, far above any real use (each element costs work per token).
 MAX_STOP = 64
 MAX_STOP_TOKEN_IDS = 1024
+#: Most choices one request may ask for.
+MAX_N = 16
 
 
 def _check_fields(body: dict, kind: str) -> None:
@@ -91,6 +94,12 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    #: Choices to generate (independent requests; choice i samples with seed + i).
+    n: int = 1
+    #: Completions: the prompt's text (and, with logprobs, its logprobs) come first.
+    echo: bool = False
+    #: max_tokens 0 with echo: score the prompt only (one token is generated, not shown).
+    prompt_only: bool = False
 
 
 def check_model(body: dict, ctx: ModelContext) -> str:
@@ -120,15 +129,27 @@ def parse_completion(body: Any, ctx: ModelContext) -> GenerationRequest:
     _check_fields(body, "completion")
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("you must provide a prompt", param="prompt")
-    if body.get("echo"):
-        raise bad_request("echo is not supported", param="echo")
     if body.get("suffix"):
         raise bad_request("suffix is not supported", param="suffix")
     if body.get("best_of") not in (None, 1):
         raise bad_request("best_of must be 1 (only one completion per request)", param="best_of")
     prompt_ids = _prompt_ids(body["prompt"], ctx)
     max_tokens = _opt_int(body, "max_tokens")
-    return _request("completion", body, ctx, prompt_ids, 16 if max_tokens is None else max_tokens)
+    echo = bool(_opt_bool(body, "echo"))
+    if echo and _opt_bool(body, "stream"):
+        raise bad_request("echo is not supported with stream=true", param="echo")
+    prompt_only = echo and max_tokens == 0
+    logprobs = _opt_int(body, "logprobs")
+    req = _request(
+        "completion",
+        body,
+        ctx,
+        prompt_ids,
+        16 if max_tokens is None else max(max_tokens, int(prompt_only)),
+        logprobs=logprobs,
+        prompt_logprobs=logprobs if echo else None,
+    )
+    return dataclasses.replace(req, echo=echo, prompt_only=prompt_only)
 
 
 def parse_chat(body: Any, ctx: ModelContext) -> GenerationRequest:
@@ -154,18 +175,29 @@ def parse_chat(body: Any, ctx: ModelContext) -> GenerationRequest:
     if max_tokens is None:
         room = ctx.max_model_len - len(prompt_ids)
         max_tokens = max(1, min(ctx.default_chat_max_tokens, room))
-    return _request("chat", body, ctx, prompt_ids, max_tokens)
+    top = _opt_int(body, "top_logprobs")
+    if _opt_bool(body, "logprobs"):
+        logprobs = top or 0
+    elif top:
+        raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
+    else:
+        logprobs = None
+    return _request("chat", body, ctx, prompt_ids, max_tokens, logprobs=logprobs)
 
 
 def _request(
-    kind: str, body: dict, ctx: ModelContext, prompt_ids: list[int], max_tokens: int
+    kind: str,
+    body: dict,
+    ctx: ModelContext,
+    prompt_ids: list[int],
+    max_tokens: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> GenerationRequest:
-    if body.get("n") not in (None, 1):
-        raise bad_request("n must be 1 (only one choice per request)", param="n")
-    if body.get("logprobs") not in (None, False):
-        raise bad_request("logprobs are not supported", param="logprobs")
-    if body.get("top_logprobs") is not None:
-        raise bad_request("top_logprobs are not supported", param="top_logprobs")
+    n = _opt_int(body, "n")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {n}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         if _opt_float(body, name) not in (None, 0.0):
             raise bad_request(f"{name} is not supported (only 0)", param=name)
@@ -209,12 +241,16 @@ def _request(
             stop=stop,
             stop_token_ids=tuple(stop_ids),
             ignore_eos=bool(_opt_bool(body, "ignore_eos")),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         msg = str(e)
         param = next((p for p in _PARAM_NAMES if msg.startswith(p)), None)
         if param == "max_tokens" and kind == "chat" and "max_completion_tokens" in body:
             param = "max_completion_tokens"
+        if msg.startswith(("logprobs", "prompt_logprobs")):
+            param = "top_logprobs" if kind == "chat" else "logprobs"
         raise bad_request(msg, param=param) from e
     total = len(prompt_ids) + params.max_tokens
     if total > ctx.max_model_len:
@@ -234,6 +270,7 @@ def _request(
         stream,
         include_usage,
         bool(_opt_bool(body, "return_token_ids")),
+        n,
     )
 
 

@@ -1,11 +1,13 @@
-"""OpenAI response bodies: whole responses and streamed chunks (SSE)."""
+"""OpenAI response bodies: whole responses and streamed chunks (SSE), logprobs included."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 
+from hybrid_pd.api.sampling import TokenLogprob
 from hybrid_pd.proxy.protocol import GenerationRequest
 
 
@@ -31,62 +33,110 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+@dataclass
+class Choice:
+    """One choice's whole output."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    reason: str = "stop"
+    logprobs: list[TokenLogprob | None] | None = None
+
+
 class ResponseBuilder:
     """Bodies for one request: `whole(...)` or `chunk(...)`s in the endpoint's format."""
 
-    def __init__(self, req: GenerationRequest, model: str, request_id: str) -> None:
+    def __init__(self, req: GenerationRequest, model: str, request_id: str, tokenizer=None) -> None:
         self.req = req
         self.model = model
         self.id = request_id
         self.created = int(time.time())
         self.chat = req.kind == "chat"
+        self.tokenizer = tokenizer
+        #: Completions streams: characters sent so far per choice (logprobs' text_offset).
+        self._offsets: dict[int, int] = {}
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, token_ids: list[int], reason: str) -> dict:
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": reason,
-            }
-            body = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            body = self._head("text_completion")
+    # -- whole ------------------------------------------------------------------------------
+    def whole(self, choices: list[Choice], prompt_logprobs=None) -> dict:
+        body = self._head("chat.completion" if self.chat else "text_completion")
+        out = []
+        for c in choices:
+            ids, logprobs, text = c.token_ids, c.logprobs, c.text
+            if self.req.prompt_only:
+                ids, logprobs, text = [], [] if logprobs is not None else None, ""
+            if self.chat:
+                item = {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": self._chat_logprobs(ids, logprobs),
+                    "finish_reason": c.reason,
+                }
+            else:
+                lp = None
+                if logprobs is not None:
+                    if self.req.echo:
+                        prompt = self.req.prompt_ids
+                        lp = self._completion_logprobs(
+                            prompt + ids, (prompt_logprobs or [None] * len(prompt)) + logprobs, 0
+                        )
+                    else:
+                        lp = self._completion_logprobs(ids, logprobs, 0)
+                if self.req.echo:
+                    text = self._decode(self.req.prompt_ids) + text
+                item = {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.reason}
+            if self.req.return_token_ids:
+                item["token_ids"] = list(ids)
+            out.append(item)
         if self.req.return_token_ids:
-            choice["token_ids"] = list(token_ids)
             body["prompt_token_ids"] = list(self.req.prompt_ids)
-        body["choices"] = [choice]
-        body["usage"] = usage(len(self.req.prompt_ids), len(token_ids))
+        body["choices"] = out
+        produced = 0 if self.req.prompt_only else sum(len(c.token_ids) for c in choices)
+        body["usage"] = usage(len(self.req.prompt_ids), produced)
         return body
 
+    # -- streams ----------------------------------------------------------------------------
     def first_chunk(self) -> dict | None:
-        """Chat streams open with the assistant role."""
+        """Chat streams open with the assistant role (one entry per choice)."""
         if not self.chat:
             return None
         body = self._head("chat.completion.chunk")
         body["choices"] = [
             {
-                "index": 0,
+                "index": i,
                 "delta": {"role": "assistant", "content": ""},
                 "logprobs": None,
                 "finish_reason": None,
             }
+            for i in range(self.req.n)
         ]
         if self.req.return_token_ids:
             body["prompt_token_ids"] = list(self.req.prompt_ids)
         return body
 
-    def chunk(self, text: str, token_ids: list[int], reason: str | None) -> dict:
+    def chunk(
+        self,
+        text: str,
+        token_ids: list[int],
+        reason: str | None,
+        logprobs: list[TokenLogprob | None] | None = None,
+        index: int = 0,
+    ) -> dict:
         if self.chat:
             delta = {"content": text} if text or reason is None else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            lp = self._chat_logprobs(token_ids, logprobs)
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
             body = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            lp = None
+            if logprobs is not None:
+                start = self._offsets.get(index, 0)
+                lp = self._completion_logprobs(token_ids, logprobs, start)
+            self._offsets[index] = self._offsets.get(index, 0) + len(text)
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": reason}
             body = self._head("text_completion")
         if self.req.return_token_ids:
             choice["token_ids"] = list(token_ids)
@@ -100,3 +150,57 @@ class ResponseBuilder:
         body["choices"] = []
         body["usage"] = usage(len(self.req.prompt_ids), completion_tokens)
         return body
+
+    # -- logprobs ---------------------------------------------------------------------------
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.token_text(token_id)
+
+    def _completion_logprobs(self, ids: list[int], logprobs: list, start: int) -> dict:
+        """The legacy completions shape: parallel lists; each top_logprobs entry holds the
+        best alternatives and the chosen token."""
+        tokens = [self._token(t) for t in ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(start)
+            start += len(tok)
+        top = []
+        for tok, lp in zip(tokens, logprobs, strict=True):
+            if lp is None:
+                top.append(None)
+                continue
+            entry: dict[str, float] = {}
+            for text, v in [*((self._token(a), v) for a, v in lp.top), (tok, lp.logprob)]:
+                entry[text] = max(v, entry.get(text, v))  # two tokens may read alike
+            top.append(entry)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None if lp is None else lp.logprob for lp in logprobs],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def _chat_logprobs(self, ids: list[int], logprobs: list | None) -> dict | None:
+        if logprobs is None:
+            return None
+        content = []
+        for t, lp in zip(ids, logprobs, strict=True):
+            tok = self._token(t)
+            content.append(
+                {
+                    "token": tok,
+                    "logprob": None if lp is None else lp.logprob,
+                    "bytes": list(tok.encode("utf-8")),
+                    "top_logprobs": []
+                    if lp is None
+                    else [
+                        {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+                        for s, v in ((self._token(a), v) for a, v in lp.top)
+                    ],
+                }
+            )
+        return {"content": content}

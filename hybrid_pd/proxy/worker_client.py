@@ -9,6 +9,8 @@ import grpc
 from google.protobuf.message import Message
 
 from hybrid_pd.api.params import KVTransferParams
+from hybrid_pd.api.sampling import TokenLogprob
+from hybrid_pd.api.wire import logprob_from_pb
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 
@@ -21,6 +23,9 @@ class PrefillResult:
     finished: bool
     finish_reason: str
     kv_transfer_params: KVTransferParams | None
+    #: When the sampling asked for them: the first token's, and the prompt's (first None).
+    first_logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -155,7 +160,9 @@ def prefill_result(reply: pb.PrefillReply) -> PrefillResult:
     kv = None
     if reply.HasField("kv_transfer_params"):
         kv = KVTransferParams.from_pb(reply.kv_transfer_params)
-    return PrefillResult(reply.first_token, reply.finished, reply.finish_reason, kv)
+    first = logprob_from_pb(reply.first_logprob) if reply.HasField("first_logprob") else None
+    prompt = [logprob_from_pb(lp) for lp in reply.prompt_logprobs] or None
+    return PrefillResult(reply.first_token, reply.finished, reply.finish_reason, kv, first, prompt)
 
 
 def stats_from_pb(reply: pb.StatsReply) -> dict:

@@ -15,7 +15,7 @@ import grpc
 
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams
-from hybrid_pd.api.wire import card_to_pb, sampling_from_pb
+from hybrid_pd.api.wire import card_to_pb, logprob_to_pb, sampling_from_pb
 from hybrid_pd.engine.engine import RequestOutput
 from hybrid_pd.engine.loop import RequestFailed
 from hybrid_pd.proto import worker_pb2 as pb
@@ -125,6 +125,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
         if kv is not None:
             reply.kv_transfer_params.CopyFrom(KVTransferParams.from_dict(kv).to_pb())
+        if out.logprobs is not None:
+            reply.first_logprob.CopyFrom(logprob_to_pb(out.logprobs[0]))
+        if out.prompt_logprobs is not None:
+            reply.prompt_logprobs.extend(logprob_to_pb(lp) for lp in out.prompt_logprobs)
         return reply
 
     # -- generate ---------------------------------------------------------------------------
@@ -167,8 +171,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 token_ids=out.token_ids,
                 finished=out.finished,
                 finish_reason=out.finish_reason or "",
+                logprobs=_logprobs_pb(out, 0),
             )
             first.transfer.CopyFrom(_transfer_pb(out))
+            if out.prompt_logprobs is not None:
+                first.prompt_logprobs.extend(logprob_to_pb(lp) for lp in out.prompt_logprobs)
             yield first
             sent = len(out.token_ids)
             while not out.finished:
@@ -182,6 +189,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     finished=out.finished,
                     finish_reason=out.finish_reason or "",
                     error=out.error or "",
+                    logprobs=_logprobs_pb(out, sent),
                 )
                 sent = len(out.token_ids)
         finally:
@@ -264,6 +272,12 @@ def stats_to_pb(stats: dict) -> pb.StatsReply:
 
 #: Keys of `Worker.stats()` that go to the reply's sub-messages.
 _SECTIONS = ("transport", "leases", "prefill_connector", "peers", "decode_connector")
+
+
+def _logprobs_pb(out: RequestOutput, start: int) -> list[pb.TokenLogprob]:
+    if out.logprobs is None:
+        return []
+    return [logprob_to_pb(lp) for lp in out.logprobs[start:]]
 
 
 def _transfer_pb(out: RequestOutput) -> pb.TransferStats:

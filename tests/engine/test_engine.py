@@ -133,3 +133,34 @@ def test_sampling_seeded_and_stops(loaded):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_logprobs_match_transformers(loaded, tiny_path):
+    """Output and prompt log-probabilities equal log_softmax of transformers' logits over
+    the whole sequence; chunked prefill and a prefix-cached twin change nothing."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    engine = make_engine(loaded, max_num_batched_tokens=16, block_size=8)
+    prompt = prompts(1, 40, seed=3)[0]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    engine.generate([prompt], SamplingParams(max_tokens=1))  # fills the prefix cache
+    out = engine.generate([prompt], params)[0]
+    seq = prompt + out.token_ids
+    with torch.no_grad():
+        lsm = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for p in range(1, len(prompt)):
+        lp = out.prompt_logprobs[p]
+        assert lp.logprob == pytest.approx(float(lsm[p - 1, prompt[p]]), abs=1e-4)
+        want = torch.topk(lsm[p - 1], 2)
+        assert [t for t, _ in lp.top] == want.indices.tolist()
+    assert len(out.logprobs) == len(out.token_ids)
+    for i, (token, lp) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = lsm[len(prompt) - 1 + i]
+        assert lp.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        assert lp.top[0][0] == token  # greedy: the chosen token is the best one
+        assert [v for _, v in lp.top] == pytest.approx(torch.topk(row, 3).values.tolist(), abs=1e-4)
+    plain = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert plain.token_ids == out.token_ids and plain.logprobs is None
+    assert_clean(engine)

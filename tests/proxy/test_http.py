@@ -23,8 +23,12 @@ def error_of(r: httpx.Response, status: int) -> dict:
         ({"prompt": "hi"}, "model", "model"),
         ({"model": "tiny"}, "prompt", "prompt"),
         ({"model": "tiny", "prompt": ""}, "prompt", "empty"),
-        ({"model": "tiny", "prompt": "hi", "n": 2}, "n", "n must be 1"),
-        ({"model": "tiny", "prompt": "hi", "echo": True}, "echo", "echo"),
+        ({"model": "tiny", "prompt": "hi", "n": 17}, "n", "n must be in [1, 16]"),
+        ({"model": "tiny", "prompt": "hi", "n": 0}, "n", "n must be"),
+        ({"model": "tiny", "prompt": "hi", "echo": True, "stream": True}, "echo", "echo"),
+        ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens"),
+        ({"model": "tiny", "prompt": "hi", "logprobs": 21}, "logprobs", "logprobs"),
+        ({"model": "tiny", "prompt": "hi", "logprobs": True}, "logprobs", "integer"),
         ({"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature", "temperature"),
         ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, "temperature", "number"),
         ({"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p", "top_p"),
@@ -33,7 +37,6 @@ def error_of(r: httpx.Response, status: int) -> dict:
         ({"model": "tiny", "prompt": "hi", "max_tokens": 2.5}, "max_tokens", "integer"),
         ({"model": "tiny", "prompt": "hi", "stop": [""]}, "stop", "stop"),
         ({"model": "tiny", "prompt": "hi", "stop": 3}, "stop", "stop"),
-        ({"model": "tiny", "prompt": "hi", "logprobs": 2}, "logprobs", "logprobs"),
         ({"model": "tiny", "prompt": ["a", "b"]}, "prompt", "one prompt"),
         ({"model": "tiny", "prompt": [1, 100000]}, "prompt", "token ids"),
         ({"model": "tiny", "prompt": "hi", "stream": "yes"}, "stream", "boolean"),
@@ -112,7 +115,7 @@ def test_metrics(http):
     assert http.post("/v1/completions", json=body).status_code == 200
     with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200 and r.read()
-    http.post("/v1/completions", json={**body, "n": 3})
+    http.post("/v1/completions", json={**body, "n": 30})
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text

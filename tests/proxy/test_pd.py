@@ -116,3 +116,61 @@ def test_prefill_retried_on_another_worker(tiny_path, workers, pd_workers, refer
         handle.stop()
         handle.pool.close()
         down.stop()
+
+
+def test_logprobs_echo_and_n_are_exact_over_pd(pd_proxy, workers, reference):
+    """Logprobs (prompt ones from the prefill worker, the first token's from its sampler,
+    the rest from decode), echo, n > 1 and prompt scoring equal one in-process engine."""
+    params = SamplingParams(max_tokens=6, logprobs=2, prompt_logprobs=2)
+    want = reference.generate([LONG], params)[0]
+    tok = reference.tokenizer
+    body = {"model": "tiny", "prompt": LONG, "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    with httpx.Client(base_url=pd_proxy.url, timeout=60) as c:
+        r = c.post("/v1/completions", json={**body, "echo": True})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        ids = LONG + want.token_ids
+        assert lp["tokens"] == [tok.token_text(t) for t in ids]
+        expected = [None] + [x.logprob for x in want.prompt_logprobs[1:]]
+        expected += [x.logprob for x in want.logprobs]
+        assert lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(expected[1:], abs=1e-5)
+        for top, x in zip(lp["top_logprobs"][1 : len(LONG)], want.prompt_logprobs[1:], strict=True):
+            assert len(top) >= 2 and max(top.values()) == pytest.approx(x.top[0][1], abs=1e-5)
+        assert r.json()["choices"][0]["text"] == tok.decode(LONG) + want.text
+        # Streamed: the same output logprobs, chunk by chunk.
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            events = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+        streamed = [
+            v
+            for e in events
+            if e["choices"][0]["logprobs"]
+            for v in e["choices"][0]["logprobs"]["token_logprobs"]
+        ]
+        assert streamed == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+        # Prompt scoring (max_tokens 0 with echo): the prompt only, nothing generated.
+        score = c.post("/v1/completions", json={**body, "echo": True, "max_tokens": 0}).json()
+        assert score["usage"]["completion_tokens"] == 0
+        assert len(score["choices"][0]["logprobs"]["token_logprobs"]) == len(LONG)
+        # n choices, greedy: all the engine's tokens.
+        many = c.post("/v1/completions", json={**body, "n": 3, "return_token_ids": True}).json()
+        assert [ch["index"] for ch in many["choices"]] == [0, 1, 2]
+        assert all(ch["token_ids"] == want.token_ids for ch in many["choices"])
+        assert many["usage"]["completion_tokens"] == 3 * len(want.token_ids)
+        # Chat: logprobs with top alternatives, one entry per output token.
+        chat = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": tok.decode(LONG)}],
+            "max_tokens": 5,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 3,
+        }
+        got = c.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]
+        text = tok.apply_chat_template([{"role": "user", "content": tok.decode(LONG)}])
+        ref = reference.generate([text], SamplingParams(max_tokens=5, logprobs=3))[0]
+        assert [e["logprob"] for e in got["content"]] == pytest.approx(
+            [x.logprob for x in ref.logprobs], abs=1e-5
+        )
+        assert all(len(e["top_logprobs"]) == 3 for e in got["content"])
+    assert_no_leaks(workers)
