@@ -64,3 +64,23 @@ def test_serve_recreates_a_lost_worker_then_gives_up(tmp_path):
     assert failure.startswith("the decode pool cannot be restored: decode-0 is dead for good")
     assert "all 1 re-creations spent" in failure and "\n" not in failure
     assert result["callback"] == [failure]
+
+
+def test_lm_eval_scores_over_pd_equal_one_engine(tmp_path):
+    """lm-evaluation-harness (`local-completions`: loglikelihood with echo + logprobs, and
+    generate-until) against serve's P/D path, and against one engine in-process: equal."""
+    result = run_in_netns(
+        "tests.launcher.lm_eval_scenario",
+        420,
+        {
+            "HYBRID_PD_CACHE": str(tmp_path),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
+        },
+    )
+    assert result["routes"] == {"disaggregated": 44.0}, result["routes"]  # every request P/D
+    assert result["documents"] == {"hpd_choice": 12, "hpd_until": 8}
+    assert result["pd"] == result["single"], result
+    assert result["loglikelihood_max_diff"] <= 1e-5, result
+    assert result["greedy_flags_equal"] and result["generations_equal"], result
+    assert result["generations_vary"], "the random model answers every prompt alike"
