@@ -25,6 +25,17 @@ class Tokenizer:
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.add_bos = bool(cfg.get("add_bos_token", False))
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for (its vocabulary entry's
+        length, plus one for a word-start marker): a text of c characters encodes to at
+        least c / max_token_chars tokens (for tokenizers that do not delete text)."""
+        if self._max_token_chars is None:
+            vocab = self._tok.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max(map(len, vocab), default=1) + 1
+        return self._max_token_chars
 
     @property
     def vocab_size(self) -> int:

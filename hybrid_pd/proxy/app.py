@@ -6,8 +6,10 @@ import asyncio
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -46,6 +48,7 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
     served = ServedModel(config, pool)
     if served.learn() is None:
         logger.warning("no worker described its model yet; asking again on the first request")
+    tokenizing = Tokenizing()
     metrics = ProxyMetrics()
     dispatcher = Dispatcher(config, pool, metrics)
     created = int(time.time())
@@ -108,29 +111,29 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
-        body = await _json(request)
+        body = await _json(request, tokenizing.run)
         ctx = await served.context()
-        ids = await asyncio.to_thread(parse_tokenize, body, ctx)
+        ids = await tokenizing.run(parse_tokenize, body, ctx)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
-        body = await _json(request)
+        body = await _json(request, tokenizing.run)
         ctx = await served.context()
-        return {"prompt": await asyncio.to_thread(parse_detokenize, body, ctx)}
+        return {"prompt": await tokenizing.run(parse_detokenize, body, ctx)}
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         # Parsing tokenizes: a thread keeps a huge prompt from stalling everyone else.
-        body = await _json(request)
+        body = await _json(request, tokenizing.run)
         ctx = await served.context()
-        return await _generate(request, ctx, await asyncio.to_thread(parse_completion, body, ctx))
+        return await _generate(request, ctx, await tokenizing.run(parse_completion, body, ctx))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = await _json(request)
+        body = await _json(request, tokenizing.run)
         ctx = await served.context()
-        return await _generate(request, ctx, await asyncio.to_thread(parse_chat, body, ctx))
+        return await _generate(request, ctx, await tokenizing.run(parse_chat, body, ctx))
 
     async def _generate(request: Request, ctx: ModelContext, req: GenerationRequest) -> Response:
         rid = new_id(req.kind)
@@ -204,6 +207,21 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
         yield sse("[DONE]")
 
     return app
+
+
+class Tokenizing:
+    """Threads that tokenize and render prompts, started up front: a huge prompt keeps
+    one busy for seconds, while the event loop goes on answering everyone else."""
+
+    def __init__(self, threads: int = 2) -> None:
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="proxy-tokenize")
+        ready = threading.Barrier(threads + 1)
+        for _ in range(threads):
+            self._pool.submit(ready.wait)
+        ready.wait()
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
 
 def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -304,15 +322,25 @@ MAX_BODY_BYTES = 16 * 2**20
 MAX_JSON_DEPTH = 32
 
 
-async def _json(request: Request):
+async def _json(request: Request, run):
+    """The body as JSON: read up to MAX_BODY_BYTES (413 past it, however it is sent), then
+    parsed and checked by `run` (a thread: a large body never holds up the event loop)."""
+    too_big = ProxyError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ProxyError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:
-        raise ProxyError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    if not raw:
+        raise too_big
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY_BYTES:
+            raise too_big
+        parts.append(part)
+    if not size:
         raise bad_request("the request body is empty: expected a JSON object")
+    return await run(_parse_json, b"".join(parts))
+
+
+def _parse_json(raw: bytes):
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:

@@ -164,6 +164,7 @@ def parse_chat(body: Any, ctx: ModelContext) -> GenerationRequest:
     if ctx.tokenizer is None:
         raise bad_request("this model has no tokenizer: use /v1/completions with token ids")
     rendered = [_message(m, i) for i, m in enumerate(messages)]
+    _check_text_length(sum(len(m["content"]) for m in rendered), ctx, "messages")
     try:
         text = ctx.tokenizer.apply_chat_template(rendered)
     except Exception as e:  # jinja errors, raise_exception() in the template
@@ -289,6 +290,7 @@ def _prompt_ids(prompt: Any, ctx: ModelContext) -> list[int]:
             raise bad_request("this model has no tokenizer: send the prompt as token ids")
         if not prompt:
             raise bad_request("the prompt is empty", param="prompt")
+        _check_text_length(len(prompt), ctx, "prompt")
         return _check_ids(ctx.tokenizer.encode(prompt), ctx, "prompt")
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return _check_ids([int(t) for t in prompt], ctx, "prompt")
@@ -297,6 +299,20 @@ def _prompt_ids(prompt: Any, ctx: ModelContext) -> list[int]:
     raise bad_request(
         "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt"
     )
+
+
+def _check_text_length(chars: int, ctx: ModelContext, param: str) -> None:
+    """Refuse, without tokenizing it, text too long to fit in any case: tokenizing megabytes
+    only to refuse them costs seconds."""
+    limit = ctx.max_model_len * ctx.tokenizer.max_token_chars
+    if chars > limit:
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens. The {param} "
+            f"has {chars} characters, more than {ctx.max_model_len} tokens of this tokenizer "
+            f"can hold ({limit}). Please reduce the length of the {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _check_ids(ids: list[int], ctx: ModelContext, param: str) -> list[int]:
@@ -395,6 +411,7 @@ def parse_tokenize(body: Any, ctx: ModelContext) -> list[int]:
     if "prompt" in body:
         if not isinstance(body["prompt"], str):
             raise bad_request("'prompt' must be a string", param="prompt")
+        _check_text_length(len(body["prompt"]), ctx, "prompt")
         return ctx.tokenizer.encode(body["prompt"])
     messages = body["messages"]
     if not isinstance(messages, list) or not messages:
@@ -402,6 +419,7 @@ def parse_tokenize(body: Any, ctx: ModelContext) -> list[int]:
     if _opt_bool(body, "add_generation_prompt") is False:
         raise bad_request("add_generation_prompt false is not supported", param="messages")
     rendered = [_message(m, i) for i, m in enumerate(messages)]
+    _check_text_length(sum(len(m["content"]) for m in rendered), ctx, "messages")
     try:
         return ctx.tokenizer.encode(ctx.tokenizer.apply_chat_template(rendered))
     except Exception as e:  # jinja errors, raise_exception() in the template

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -169,6 +171,15 @@ def test_hostile_bodies_get_4xx_and_the_connection_lives_on(http):
     error_of(http.post("/v1/chat/completions", content=role), 400)
     big = b'{"model": "tiny", "prompt": "' + b"a" * (17 * 2**20) + b'"}'
     error_of(http.post("/v1/completions", content=big), 413)
+    # 10 MB of text cannot fit 4,096 tokens: refused without tokenizing it (seconds).
+    ten = b'{"model": "tiny", "prompt": "' + b"ab cd " * (10 * 2**20 // 6) + b'"}'
+    start = time.monotonic()
+    err = error_of(http.post("/v1/completions", content=ten), 400)
+    assert err["code"] == "context_length_exceeded" and "characters" in err["message"]
+    assert time.monotonic() - start < 5.0  # tokenizing it took 10 s
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "ab " * 2**20}]}
+    err = error_of(http.post("/v1/chat/completions", json=chat), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
     ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200, ok.text
 
