@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 
 from hybrid_pd.api.sampling import SamplingParams
+from hybrid_pd.proxy import access_log
 from hybrid_pd.proxy.errors import ProxyError, overloaded
 from hybrid_pd.proxy.legs import Leg, Pump, wait_grpc_future
 from hybrid_pd.proxy.metrics import ProxyMetrics
@@ -98,7 +99,9 @@ class Job:
         self.migrations = 0
         #: Every output token produced so far (what a migrated stream resumes from).
         self.produced: list[int] = []
+        self.first_token_at: float | None = None
         self._last_token_at: float | None = None
+        access_log.attach(self)
 
     # -- the stream -------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[TokenEvent]:
@@ -374,6 +377,7 @@ class Job:
         now = time.monotonic()
         m = self.d.metrics
         if self._last_token_at is None:
+            self.first_token_at = now
             m.ttft.observe(now - self.arrival)
             n -= 1
         elif n > 0:
