@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hybrid_pd.api.secret import SECRET_ENV, given_secret
 from hybrid_pd.kvcache.planner import parse_bytes
+from hybrid_pd.launcher.console import level_of
 from hybrid_pd.workers import DEFAULT_MAX_QUEUED
 
 if TYPE_CHECKING:
@@ -93,6 +94,9 @@ class ServeConfig:
     max_fallback_prefills: int = 4
     #: Proxy: how often one stream may move to another decode worker after a failure.
     max_migrations: int = 3
+    #: Logging of the launcher, the proxy (its access log included) and the workers:
+    #: debug, info, warning or error.
+    log_level: str = "info"
 
     def __post_init__(self) -> None:
         names = self.served_model_names
@@ -118,6 +122,7 @@ class ServeConfig:
             raise ValueError("restore_timeout_s must be > 0")
         if not isinstance(self.insecure, bool):
             raise ValueError("insecure must be true or false")
+        level_of(self.log_level)  # validates
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> ServeConfig:
