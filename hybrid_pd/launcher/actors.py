@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
-import logging
-
+from hybrid_pd.launcher.console import configure_logging, name_log_prefix
 from hybrid_pd.workers.worker import Worker, WorkerConfig
 
 
 class WorkerActor:
-    """Wrapped with `ray.remote` by the launcher; one worker process per actor."""
+    """Wrapped with `ray.remote` by the launcher; one worker process per actor.
 
-    def __init__(self, config: WorkerConfig, threads: int | None = None) -> None:
-        logging.basicConfig(level=logging.INFO)
+    `name` (e.g. `prefill-0`) is its `repr`, which Ray puts in front of every line the actor
+    writes when it forwards them to the driver's console: `(prefill-0 pid=...) ...`; it is
+    announced first thing, so that the lines of model loading carry it too."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        threads: int | None = None,
+        *,
+        name: str = "worker",
+        log_level: str = "info",
+    ) -> None:
+        self.name = name
+        name_log_prefix(name)
+        configure_logging(log_level)  # stderr, which Ray forwards to `serve`'s console
         if threads:
             import torch
 
@@ -23,6 +35,9 @@ class WorkerActor:
 
             config = dataclasses.replace(config, host=ray.util.get_node_ip_address())
         self.worker = Worker(config)
+
+    def __repr__(self) -> str:
+        return self.name
 
     def address(self) -> str:
         return self.worker.address

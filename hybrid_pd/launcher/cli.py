@@ -10,6 +10,14 @@ import sys
 from typing import Any
 
 from hybrid_pd import __version__
+from hybrid_pd.launcher.console import (
+    LOG_LEVELS,
+    check_port,
+    configure_logging,
+    forward_ray_logs_plainly,
+)
+
+logger = logging.getLogger("hybrid_pd.launcher.cli")
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
@@ -335,7 +343,25 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="proxy: times one stream may move to another decode worker (default 3)",
     )
+    _add_log_flags(p)
     p.set_defaults(func=_cmd_serve)
+
+
+def _add_log_flags(p: argparse.ArgumentParser) -> None:
+    """`--log-level` and `-v` on a server command (`-v` is also taken before the command)."""
+    p.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        help="logging of the launcher, the proxy (its access log at info) and the workers "
+        "(default info)",
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,  # keeps a `-v` given before the command
+        help="debug logging (--log-level debug)",
+    )
 
 
 #: `serve`'s exit status when a worker pool is lost for good (the supervisor gave up).
@@ -347,7 +373,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from hybrid_pd.launcher.serve import Deployment, ServeConfig, wait_ready
+    from hybrid_pd.launcher.serve import Deployment, Interrupted, ServeConfig, wait_ready
 
     keys = (
         "address",
@@ -371,8 +397,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "queue_timeout_s",
         "max_fallback_prefills",
         "max_migrations",
+        "log_level",
     )
     overrides = {k: getattr(args, k) for k in keys}
+    if args.log_level is None and args.verbose:
+        overrides["log_level"] = "debug"
     if args.config:
         config = ServeConfig.from_yaml(args.config, **overrides)
         if args.secret is not None or args.secret_file is not None:
@@ -381,10 +410,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     else:
         config = ServeConfig(**{k: v for k, v in overrides.items() if v is not None})
     config = config.resolved()  # refuse a cluster without a secret before starting anything
+    configure_logging(config.log_level)
+    check_port(config.host, config.port)  # a clear error now, not after Ray and the workers
+    forward_ray_logs_plainly()
     done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    deployment = Deployment(config, on_failure=lambda _reason: done.set())
+
+    def stop(sig: int, _frame) -> None:
+        if not done.is_set():
+            logger.info("%s received: shutting down", signal.Signals(sig).name)
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        deployment = Deployment(config, on_failure=lambda _reason: done.set(), interrupt=done)
+    except Interrupted as e:
+        logger.info("%s; stopped", e)
+        return 0
     try:
         wait_ready(deployment.url, abort=done)
         if not done.is_set():
@@ -423,7 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
+    # Servers say what they do (startup, access log) at info; other commands only warn.
+    quiet = "info" if args.command in ("serve", "proxy") else "warning"
+    configure_logging(getattr(args, "log_level", None) or ("debug" if args.verbose else quiet))
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -8,175 +8,27 @@ supervisor: follows actor restarts (new addresses) and reports health; re-create
   otherwise marks the deployment failed (`serve` then exits non-zero, never sits in 503s)
 
 Control plane: every worker RPC needs the shared secret. Embedded mode makes one when none is
-given; joining a cluster without one is refused unless `insecure` is set.
+given; joining a cluster without one is refused unless `insecure` is set (serve_config.py).
+
+Console: each step of the start is logged (Ray up, each worker loading, then ready with its
+address and KV capacity, the proxy's URL); the workers' own lines come through Ray under
+their names (`(prefill-0 pid=...)`); `close` drains the proxy before the workers stop.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import secrets
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
-from hybrid_pd.api.secret import SECRET_ENV, given_secret
-from hybrid_pd.engine.engine import EngineConfig
-from hybrid_pd.kvcache.planner import parse_bytes
-from hybrid_pd.workers.worker import DEFAULT_MAX_QUEUED, WorkerConfig
+from hybrid_pd.launcher.serve_config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "localhost")
-
-
-def resolve_secret(
-    secret: str | None,
-    secret_file: str | None,
-    environ: Mapping[str, str] | None = None,
-    *,
-    embedded: bool,
-    insecure: bool = False,
-) -> str | None:
-    """The control-plane secret of a deployment. Precedence: `secret`, `secret_file` (its
-    contents, stripped), the HYBRID_PD_SECRET environment variable; then, with none of those,
-    a fresh random one in embedded mode, and in cluster mode a refusal (ValueError) unless
-    `insecure`, which runs the workers open (None)."""
-    given = given_secret(secret, secret_file, dict(os.environ if environ is None else environ))
-    if given is not None:
-        return given
-    if embedded:
-        return secrets.token_urlsafe(32)
-    if insecure:
-        logger.warning("joining a Ray cluster WITHOUT a control-plane secret (--insecure)")
-        return None
-    raise ValueError(
-        "joining a Ray cluster (--address) needs a control-plane secret: give --secret-file "
-        f"PATH or set {SECRET_ENV} (or pass --insecure to run the worker RPCs open)"
-    )
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    model: str = "tiny"
-    #: Ids clients pass as `model` (the first is listed); empty: `tiny`, or a checkpoint
-    #: folder's last component (the folder as given is accepted too).
-    served_model_names: tuple[str, ...] = ()
-    prefill: int = 1
-    decode: int = 1
-    address: str | None = None  # Ray cluster; None: embedded local Ray
-    host: str = "127.0.0.1"  # proxy
-    port: int = 8000
-    kv_memory: str = "1GiB"
-    #: The control-plane secret; see `resolve_secret` for where else it comes from.
-    secret: str | None = None
-    #: A file holding the secret (read when `secret` is not set).
-    secret_file: str | None = None
-    #: Allow joining a cluster with no secret at all (worker RPCs open to the network).
-    insecure: bool = False
-    device: str | None = None
-    failure_policy: str = "recompute"
-    min_prefill_tokens: int = 32
-    lease_s: float = 30.0
-    #: Ray restarts of one worker actor (same actor, new process).
-    max_restarts: int = 3
-    #: Fresh actors made for one worker slot once Ray cannot bring its actor back.
-    max_recreates: int = 2
-    #: How long a worker may stay unreachable (restarting, pending, starting) before it
-    #: counts as lost; covers loading the model on a fresh actor.
-    restore_timeout_s: float = 300.0
-    threads: int | None = None
-    #: Where workers serve gRPC: "auto" = the Ray node's address (clusters), else a host.
-    worker_host: str | None = None
-    #: UCX transports for KV transfers (UCX_TLS syntax); None: UCX's choice.
-    ucx_tls: str | None = None
-    #: Backpressure and failure handling (see docs/architecture.md, "Under load and faults").
-    #: Per worker: requests admitted and waiting for their first token (then 429 upstream).
-    max_queued: int = DEFAULT_MAX_QUEUED
-    #: Proxy: requests held at once; how long one may wait for a worker with room.
-    max_pending: int = 1024
-    queue_timeout_s: float = 30.0
-    #: Proxy: prefills run on decode workers at once while no prefill worker is up.
-    max_fallback_prefills: int = 4
-    #: Proxy: how often one stream may move to another decode worker after a failure.
-    max_migrations: int = 3
-
-    def __post_init__(self) -> None:
-        names = self.served_model_names
-        names = (names,) if isinstance(names, str) else tuple(names or ())
-        if any(not isinstance(n, str) or not n.strip() for n in names):
-            raise ValueError(f"served model names must be non-empty strings, got {names!r}")
-        object.__setattr__(self, "served_model_names", names)
-        for name in ("max_queued", "max_pending"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.max_fallback_prefills < 0 or self.max_migrations < 0:
-            raise ValueError("max_fallback_prefills and max_migrations must be >= 0")
-        if self.queue_timeout_s <= 0:
-            raise ValueError("queue_timeout_s must be > 0")
-        if self.prefill < 0 or self.decode < 1:
-            raise ValueError("serve needs at least one decode worker (--decode >= 1)")
-        parse_bytes(self.kv_memory)  # validates
-        if self.failure_policy not in ("recompute", "fail"):
-            raise ValueError("failure_policy must be 'recompute' or 'fail'")
-        if self.max_restarts < 0 or self.max_recreates < 0:
-            raise ValueError("max_restarts and max_recreates must be >= 0")
-        if self.restore_timeout_s <= 0:
-            raise ValueError("restore_timeout_s must be > 0")
-        if not isinstance(self.insecure, bool):
-            raise ValueError("insecure must be true or false")
-
-    @classmethod
-    def from_yaml(cls, path: str | Path, **overrides: Any) -> ServeConfig:
-        import yaml
-
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of settings")
-        data = {k.replace("-", "_"): v for k, v in data.items()}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**data)
-
-    def resolved(self, environ: Mapping[str, str] | None = None) -> ServeConfig:
-        """This config with its secret settled (`secret` set, `secret_file` cleared): see
-        `resolve_secret`. Raises ValueError where a cluster would be joined without one."""
-        secret = resolve_secret(
-            self.secret,
-            self.secret_file,
-            environ,
-            embedded=self.address is None,
-            insecure=self.insecure,
-        )
-        return dataclasses.replace(self, secret=secret, secret_file=None)
-
-    def worker_config(self, role: str, model_path: str) -> WorkerConfig:
-        host = self.worker_host or ("127.0.0.1" if self.address is None else "auto")
-        return WorkerConfig(
-            role=role,
-            model=model_path,
-            host=host,
-            device=self.device,
-            engine=EngineConfig(kv_memory_bytes=parse_bytes(self.kv_memory)),
-            secret=self.secret,
-            lease_s=self.lease_s,
-            failure_policy=self.failure_policy,
-            ucx_tls=self.ucx_tls,
-            max_queued=self.max_queued,
-        )
-
-    def __repr__(self) -> str:  # never print the secret
-        shown = {f.name: getattr(self, f.name) for f in fields(self)}
-        if shown["secret"] is not None:
-            shown["secret"] = "***"
-        return "ServeConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
 def _one_line(text: object, limit: int = 300) -> str:
@@ -214,7 +66,10 @@ class Deployment:
         *,
         on_failure: Callable[[str], None] | None = None,
         supervise_every_s: float = 2.0,
+        interrupt: threading.Event | None = None,
     ) -> None:
+        """Starts Ray, the workers and the proxy, logging each step. Setting `interrupt`
+        while it starts (a SIGTERM, say) stops what was started and raises Interrupted."""
         import ray
 
         from hybrid_pd.engine.tiny import TINY_NAME, resolve_model
@@ -236,46 +91,76 @@ class Deployment:
         # Each worker resolves `tiny` on its own node (built there if missing); a checkpoint
         # path must exist at the same place on every node.
         self._worker_model = config.model if config.model == TINY_NAME else model_path
-        if config.address is None:
-            ray.init(
-                address="local",  # always a new instance, even if another one runs here
-                _node_ip_address="127.0.0.1",
-                include_dashboard=False,
-                resources={"prefill": config.prefill, "decode": config.decode},
-                num_cpus=max(2, config.prefill + config.decode),
-                log_to_driver=False,
-            )
-        else:
-            ray.init(address=config.address, log_to_driver=False)
+        self._init_ray()
         self._gpu = 1 if (config.device or "").startswith("cuda") else 0
         self._remote = ray.remote(WorkerActor)
         self.actors: dict[str, list] = {"prefill": [], "decode": []}
         try:
             for role, count in (("prefill", config.prefill), ("decode", config.decode)):
-                for _ in range(count):
-                    self.actors[role].append(self._spawn(role))
-            self.addresses = self._addresses(timeout=300)
+                for i in range(count):
+                    logger.info("%s-%d: starting, loading model %s", role, i, config.model)
+                    self.actors[role].append(self._spawn(role, i))
+            self.addresses = self._await_workers(timeout=300, interrupt=interrupt)
             self._start_proxy(model_path)
         except BaseException:
             self._kill_actors()
             ray.shutdown()
             raise
+        logger.info("proxy: listening on %s (OpenAI API under /v1, metrics at /metrics)", self.url)
         self._supervisor = threading.Thread(target=self._supervise, daemon=True)
         self._supervisor.start()
 
-    def _spawn(self, role: str):
+    def _init_ray(self) -> None:
+        """Embedded local Ray, or join the cluster at `address`. Workers' output reaches this
+        console (log_to_driver); Ray's own Python logging only for errors (from info up at
+        log level debug). Ray's driver replaces the process's SIGTERM handler with one that
+        exits with status 15 (after a stack dump from its core): handlers the process had set
+        are put back."""
+        import ray
+
+        config = self.config
+        quiet = logging.INFO if config.log_level == "debug" else logging.ERROR
+        saved = _own_signal_handlers()
+        common = {"log_to_driver": True, "logging_level": quiet}
+        if config.address is None:
+            context = ray.init(
+                address="local",  # always a new instance, even if another one runs here
+                _node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                resources={"prefill": config.prefill, "decode": config.decode},
+                num_cpus=max(2, config.prefill + config.decode),
+                **common,
+            )
+        else:
+            context = ray.init(address=config.address, **common)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        info = context.address_info
+        where = info.get("gcs_address", config.address)
+        if config.address is None:
+            how = f"started an embedded local instance at {where}"
+        else:
+            how = f"joined the cluster at {where} ({len(ray.nodes())} nodes)"
+        logger.info("Ray: %s, its logs in %s/logs", how, info.get("session_dir", "?"))
+
+    def _spawn(self, role: str, index: int):
         return self._remote.options(
             resources={role: 1},
             num_cpus=0,
             num_gpus=self._gpu,
             max_restarts=self.config.max_restarts,
             max_task_retries=0,
-        ).remote(self.config.worker_config(role, self._worker_model), self.config.threads)
+        ).remote(
+            self.config.worker_config(role, self._worker_model),
+            self.config.threads,
+            name=f"{role}-{index}",
+            log_level=self.config.log_level,
+        )
 
     def _start_proxy(self, model_path: str) -> None:
         from hybrid_pd.proxy.config import ProxyConfig
         from hybrid_pd.proxy.routing import WorkerPool
-        from hybrid_pd.proxy.server import ProxyHandle
+        from hybrid_pd.proxy.server import DRAIN_S, ProxyHandle
 
         config = self.config
         proxy_config = ProxyConfig(
@@ -293,20 +178,61 @@ class Deployment:
             max_migrations=config.max_migrations,
         )
         self.pool = WorkerPool.from_config(proxy_config)
-        self.proxy = ProxyHandle(proxy_config, self.pool).start()
+        self.proxy = ProxyHandle(proxy_config, self.pool, drain_s=DRAIN_S).start()
 
     @property
     def url(self) -> str:
         return self.proxy.url
 
-    def _addresses(self, timeout: float) -> dict[str, list[str]]:
+    def _await_workers(
+        self, timeout: float, interrupt: threading.Event | None
+    ) -> dict[str, list[str]]:
+        """Every worker's gRPC address, waiting until each has loaded its model; each is
+        logged as it comes up, with its KV capacity. Raises the actor's own error when one
+        fails to start, TimeoutError past `timeout`, Interrupted once `interrupt` is set."""
         import ray
 
-        out: dict[str, list[str]] = {}
-        for role, actors in self.actors.items():
-            refs = [a.address.remote() for a in actors]
-            out[role] = ray.get(refs, timeout=timeout) if refs else []
+        pending = {
+            actor.address.remote(): (role, i)
+            for role, actors in self.actors.items()
+            for i, actor in enumerate(actors)
+        }
+        out: dict[str, list[str]] = {role: [""] * len(a) for role, a in self.actors.items()}
+        deadline = time.monotonic() + timeout
+        while pending:
+            if interrupt is not None and interrupt.is_set():
+                raise Interrupted("stopped before the workers were up")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = ", ".join(sorted(f"{r}-{i}" for r, i in pending.values()))
+                raise TimeoutError(f"workers not up within {timeout:.0f} s: {names}")
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=min(0.5, left))
+            for ref in done:
+                role, i = pending.pop(ref)
+                out[role][i] = ray.get(ref)  # an actor that failed to start raises here
+                self._log_ready(role, i, out[role][i])
         return out
+
+    def _log_ready(self, role: str, i: int, address: str) -> None:
+        import ray
+
+        try:
+            stats = ray.get(self.actors[role][i].health.remote(), timeout=30)
+        except Exception as e:  # up, but not answering (yet): say so, go on
+            logger.info("%s-%d: ready at %s (no stats: %s)", role, i, address, _one_line(e, 120))
+            return
+        blocks = int(stats["num_blocks"]) - 1  # block 0 is the null block
+        size = int(stats["block_size"])
+        logger.info(
+            "%s-%d: ready at %s (engine %s), KV cache %d blocks x %d tokens = %d token slots",
+            role,
+            i,
+            address,
+            stats.get("engine_id", "?"),
+            blocks,
+            size,
+            blocks * size,
+        )
 
     # -- supervision ------------------------------------------------------------------------
     def _supervise(self) -> None:
@@ -399,7 +325,7 @@ class Deployment:
         except Exception:  # already gone
             pass
         try:
-            self.actors[role][i] = self._spawn(role)
+            self.actors[role][i] = self._spawn(role, i)
         except Exception as e:
             self._fail(
                 f"the {role} pool cannot be restored: {name} {reason}; "
@@ -439,11 +365,18 @@ class Deployment:
                     pass
 
     def close(self) -> None:
+        """Stop taking connections, let requests in flight finish (up to the proxy's
+        DRAIN_S), then stop the workers and Ray (an embedded instance ends; a cluster is only
+        left)."""
         import ray
 
+        from hybrid_pd.proxy.server import DRAIN_S
+
         self._stop.set()
-        self._supervisor.join(timeout=30)
+        logger.info("stopping: no new connections; requests in flight get up to %d s", DRAIN_S)
         self.proxy.stop()
+        self._supervisor.join(timeout=30)  # before the workers go: it would replace them
+        logger.info("stopping the workers")
         # Graceful shutdown where a worker answers; one that is dead or still pending does
         # not hold the exit up for more than the bound.
         refs = []
@@ -457,6 +390,24 @@ class Deployment:
             ray.wait(refs, num_returns=len(refs), timeout=30)
         self._kill_actors()
         ray.shutdown()  # stops the embedded instance; only disconnects from a cluster
+        logger.info("stopped")
+
+
+class Interrupted(Exception):
+    """Asked to stop (`interrupt` set) before the deployment was up; nothing is left running."""
+
+
+def _own_signal_handlers() -> dict[int, Callable]:
+    """This process's Python handlers of SIGTERM and SIGINT (on the main thread only, where
+    signals are handled; the defaults are left to Ray)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    out = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(sig)
+        if callable(handler) and handler is not signal.default_int_handler:
+            out[sig] = handler
+    return out
 
 
 def _actor_state(actor) -> tuple[str | None, dict[str, Any]]:

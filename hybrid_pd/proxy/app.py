@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybrid_pd.api.sampling import INT64_MAX, SamplingParams
+from hybrid_pd.proxy.access_log import AccessLog
 from hybrid_pd.proxy.config import ProxyConfig
 from hybrid_pd.proxy.detok import TextStream
 from hybrid_pd.proxy.dispatch import Dispatcher, Job, TokenEvent
@@ -57,6 +58,7 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
     app.state.config, app.state.pool, app.state.metrics = config, pool, metrics
     app.state.model = served
     app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(AccessLog)
 
     @app.exception_handler(ProxyError)
     async def proxy_error(request: Request, e: ProxyError) -> JSONResponse:

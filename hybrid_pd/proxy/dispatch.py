@@ -29,6 +29,7 @@ import grpc
 
 from hybrid_pd.api.sampling import SamplingParams, TokenLogprob
 from hybrid_pd.api.wire import logprob_from_pb
+from hybrid_pd.proxy import access_log
 from hybrid_pd.proxy.errors import ProxyError, overloaded
 from hybrid_pd.proxy.legs import Leg, Pump, wait_grpc_future
 from hybrid_pd.proxy.metrics import ProxyMetrics
@@ -104,7 +105,9 @@ class Job:
         self.produced: list[int] = []
         #: The prompt's logprobs once a worker computed them (when the sampling asks).
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.first_token_at: float | None = None
         self._last_token_at: float | None = None
+        access_log.attach(self)
 
     # -- the stream -------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[TokenEvent]:
@@ -395,6 +398,7 @@ class Job:
         now = time.monotonic()
         m = self.d.metrics
         if self._last_token_at is None:
+            self.first_token_at = now
             m.ttft.observe(now - self.arrival)
             n -= 1
         elif n > 0:

@@ -87,6 +87,8 @@ class ProxyMetrics:
             name: Gauge(p + "worker_" + name, doc, ["worker", "roles"], registry=r)
             for name, doc in _WORKER_GAUGES.items()
         }
+        #: (worker, roles) label pairs of the per-worker series now in the registry.
+        self._worker_labels: set[tuple[str, str]] = set()
 
     def failure(self, kind: str) -> None:
         self.failures.labels(kind).inc()
@@ -100,13 +102,26 @@ class ProxyMetrics:
         self.kv_seconds.observe(seconds)
 
     def render(self, snapshot: list[dict]) -> bytes:
+        """The exposition text, with the per-worker series set from `snapshot` (the pool's):
+        series of workers no longer in it (dropped, or replaced under a new address after a
+        restart) are removed, not left at their last values."""
+        current = set()
         for w in snapshot:
             labels = (w["address"], ",".join(w["roles"]))
+            current.add(labels)
             self.worker_up.labels(*labels).set(1 if w["healthy"] else 0)
             for name, gauge in self.worker.items():
                 if w.get(name) is not None:
                     gauge.labels(*labels).set(w[name])
+        for labels in self._worker_labels - current:
+            self.remove_worker(*labels)
+        self._worker_labels = current
         return generate_latest(self.registry)
+
+    def remove_worker(self, address: str, roles: str) -> None:
+        """Drop every per-worker series labelled (address, roles); absent ones are skipped."""
+        for gauge in (self.worker_up, *self.worker.values()):
+            gauge.remove(address, roles)
 
 
 class RequestCounter:

@@ -64,13 +64,19 @@ class ProxyHandle:
     """`with ProxyHandle(config, pool, port=0) as proxy: ... proxy.base_url ...`"""
 
     def __init__(
-        self, config: ProxyConfig, pool: WorkerPool | None = None, port: int | None = None
+        self,
+        config: ProxyConfig,
+        pool: WorkerPool | None = None,
+        port: int | None = None,
+        drain_s: float = 5.0,
     ) -> None:
         self.config = config
         self._own_pool = pool is None
         self.pool = pool or WorkerPool.from_config(config)
+        #: How long `stop` lets requests in flight finish before closing their connections.
+        self.drain_s = drain_s
         self._server = uvicorn.Server(
-            _uvicorn_config(config, self.pool, config.port if port is None else port)
+            _uvicorn_config(config, self.pool, config.port if port is None else port, drain_s)
         )
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -107,7 +113,10 @@ class ProxyHandle:
         self.port = sock.getsockname()[1]
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop taking connections, let requests in flight finish (up to `drain_s`), stop.
+        Waits `timeout` (default: `drain_s` + 5 s) before forcing it."""
+        timeout = self.drain_s + 5.0 if timeout is None else timeout
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout)

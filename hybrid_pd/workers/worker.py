@@ -30,14 +30,12 @@ from hybrid_pd.engine.loop import EngineLoop
 from hybrid_pd.engine.tiny import resolve_model
 from hybrid_pd.prefill_worker import PrefillRole
 from hybrid_pd.proto import kv_control_pb2_grpc, worker_pb2_grpc
+from hybrid_pd.workers import DEFAULT_MAX_QUEUED
 from hybrid_pd.workers.service import WorkerServicer
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
-#: Requests admitted but not yet given their first token, per worker; beyond this new ones
-#: are refused with RESOURCE_EXHAUSTED (the proxy holds them or tries another worker).
-DEFAULT_MAX_QUEUED = 256
 
 
 @dataclass(frozen=True)

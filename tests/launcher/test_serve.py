@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -84,3 +85,62 @@ def test_lm_eval_scores_over_pd_equal_one_engine(tmp_path):
     assert result["loglikelihood_max_diff"] <= 1e-5, result
     assert result["greedy_flags_equal"] and result["generations_equal"], result
     assert result["generations_vary"], "the random model answers every prompt alike"
+
+
+def access_fields(line: str) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in line.split(" hybrid_pd.access: ", 1)[1].split()[2:])
+
+
+def test_serve_command_console_access_log_and_sigterm(tmp_path):
+    """One `hybrid-pd serve` process: what it says while it starts, a worker's own line
+    forwarded under its name, the access log, and SIGTERM: a stream in flight finishes,
+    new connections are refused, exit status 0 without a traceback."""
+    r = run_in_netns(
+        "tests.launcher.serve_cli_scenario",
+        240,
+        {"HYBRID_PD_CACHE": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    err = r["stderr"]
+    text = "\n".join(err)
+    assert r["returncode"] == 0, text
+    assert "Traceback" not in text and "SIGTERM received at" not in text, text
+    assert r["stdout"] == [
+        "hybrid-pd serving tiny at http://127.0.0.1:8000/v1 (1 prefill, 1 decode workers)"
+    ]
+
+    def first(pattern: str) -> tuple[int, re.Match]:
+        for i, line in enumerate(err):
+            if m := re.search(pattern, line):
+                return i, m
+        raise AssertionError(f"no line matches {pattern!r}:\n{text}")
+
+    serve_log = r"INFO hybrid_pd\.launcher\.serve: "
+    ray_up, _ = first(serve_log + r"Ray: started an embedded local instance at 127\.0\.0\.1:\d+")
+    for role in ("prefill", "decode"):
+        loading, _ = first(serve_log + f"{role}-0: starting, loading model tiny$")
+        ready, m = first(
+            serve_log + f"{role}-0: ready at (127\\.0\\.0\\.1:\\d+) \\(engine {role}-\\w+\\), "
+            r"KV cache (\d+) blocks x (\d+) tokens = (\d+) token slots$"
+        )
+        blocks, size, slots = int(m[2]), int(m[3]), int(m[4])
+        assert ray_up < loading < ready and blocks > 0 and slots == blocks * size
+        # The worker's own logging, forwarded by Ray under the worker's name.
+        first(
+            rf"^\({role}-0 pid=\d+\) .* INFO hybrid_pd\.workers\.worker: {role} worker "
+            rf"{role}-\w+ serving on {re.escape(m[1])}$"
+        )
+    proxy_up, _ = first(serve_log + r"proxy: listening on http://127\.0\.0\.1:8000 ")
+
+    _, m = first(r"hybrid_pd\.access: POST /v1/completions status=200 id=" + r["completion_id"])
+    line = access_fields(m.string)
+    assert line["route"] == "disaggregated"  # the prompt is long enough for the prefill pool
+    assert int(line["prompt_tokens"]) == r["prompt_tokens"] > 32
+    assert int(line["output_tokens"]) == r["completion_tokens"] == 8
+    assert 0 < float(line["ttft_ms"]) <= float(line["total_ms"])
+
+    # SIGTERM during the stream: the stream ran to its end, then serve stopped, status 0.
+    stopping, _ = first(serve_log + "stopping: no new connections")
+    streamed, m = first(r"hybrid_pd\.access: POST /v1/completions status=200 .*output_tokens=48 ")
+    assert proxy_up < stopping < streamed < first(serve_log + "stopped$")[0]
+    assert r["stream_done"] and r["stream_status"] == 200 and r["new_connection_refused"]
+    assert r["exit_after_sigterm_s"] < 60

@@ -82,7 +82,7 @@ def test_supervisor_recreates_a_stuck_worker_then_gives_up(monkeypatch):
     dep._stop, dep.health = threading.Event(), {}
     dep._down_since, dep._down_reason, dep._recreates = {}, {}, {}
     spawned = []
-    dep._spawn = lambda role: spawned.append(role) or object()
+    dep._spawn = lambda role, index: spawned.append(role) or object()
     first = dep.actors["decode"][0]
 
     dep._supervise_once()  # down, within the timeout

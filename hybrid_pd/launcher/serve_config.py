@@ -1,0 +1,176 @@
+"""`serve`'s settings: `ServeConfig` (flags, YAML keys, validation) and where the
+control-plane secret comes from. No torch and no Ray here: the CLI reads and checks the
+settings before it starts anything."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hybrid_pd.api.secret import SECRET_ENV, given_secret
+from hybrid_pd.kvcache.planner import parse_bytes
+from hybrid_pd.launcher.console import level_of
+from hybrid_pd.workers import DEFAULT_MAX_QUEUED
+
+if TYPE_CHECKING:
+    from hybrid_pd.workers.worker import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_secret(
+    secret: str | None,
+    secret_file: str | None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    embedded: bool,
+    insecure: bool = False,
+) -> str | None:
+    """The control-plane secret of a deployment. Precedence: `secret`, `secret_file` (its
+    contents, stripped), the HYBRID_PD_SECRET environment variable; then, with none of those,
+    a fresh random one in embedded mode, and in cluster mode a refusal (ValueError) unless
+    `insecure`, which runs the workers open (None)."""
+    given = given_secret(secret, secret_file, dict(os.environ if environ is None else environ))
+    if given is not None:
+        return given
+    if embedded:
+        return secrets.token_urlsafe(32)
+    if insecure:
+        logger.warning("joining a Ray cluster WITHOUT a control-plane secret (--insecure)")
+        return None
+    raise ValueError(
+        "joining a Ray cluster (--address) needs a control-plane secret: give --secret-file "
+        f"PATH or set {SECRET_ENV} (or pass --insecure to run the worker RPCs open)"
+    )
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "tiny"
+    #: Ids clients pass as `model` (the first is listed); empty: `tiny`, or a checkpoint
+    #: folder's last component (the folder as given is accepted too).
+    served_model_names: tuple[str, ...] = ()
+    prefill: int = 1
+    decode: int = 1
+    address: str | None = None  # Ray cluster; None: embedded local Ray
+    host: str = "127.0.0.1"  # proxy
+    port: int = 8000
+    kv_memory: str = "1GiB"
+    #: The control-plane secret; see `resolve_secret` for where else it comes from.
+    secret: str | None = None
+    #: A file holding the secret (read when `secret` is not set).
+    secret_file: str | None = None
+    #: Allow joining a cluster with no secret at all (worker RPCs open to the network).
+    insecure: bool = False
+    device: str | None = None
+    failure_policy: str = "recompute"
+    min_prefill_tokens: int = 32
+    lease_s: float = 30.0
+    #: Ray restarts of one worker actor (same actor, new process).
+    max_restarts: int = 3
+    #: Fresh actors made for one worker slot once Ray cannot bring its actor back.
+    max_recreates: int = 2
+    #: How long a worker may stay unreachable (restarting, pending, starting) before it
+    #: counts as lost; covers loading the model on a fresh actor.
+    restore_timeout_s: float = 300.0
+    threads: int | None = None
+    #: Where workers serve gRPC: "auto" = the Ray node's address (clusters), else a host.
+    worker_host: str | None = None
+    #: UCX transports for KV transfers (UCX_TLS syntax); None: UCX's choice.
+    ucx_tls: str | None = None
+    #: Backpressure and failure handling (see docs/architecture.md, "Under load and faults").
+    #: Per worker: requests admitted and waiting for their first token (then 429 upstream).
+    max_queued: int = DEFAULT_MAX_QUEUED
+    #: Proxy: requests held at once; how long one may wait for a worker with room.
+    max_pending: int = 1024
+    queue_timeout_s: float = 30.0
+    #: Proxy: prefills run on decode workers at once while no prefill worker is up.
+    max_fallback_prefills: int = 4
+    #: Proxy: how often one stream may move to another decode worker after a failure.
+    max_migrations: int = 3
+    #: Logging of the launcher, the proxy (its access log included) and the workers:
+    #: debug, info, warning or error.
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        names = self.served_model_names
+        names = (names,) if isinstance(names, str) else tuple(names or ())
+        if any(not isinstance(n, str) or not n.strip() for n in names):
+            raise ValueError(f"served model names must be non-empty strings, got {names!r}")
+        object.__setattr__(self, "served_model_names", names)
+        for name in ("max_queued", "max_pending"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_fallback_prefills < 0 or self.max_migrations < 0:
+            raise ValueError("max_fallback_prefills and max_migrations must be >= 0")
+        if self.queue_timeout_s <= 0:
+            raise ValueError("queue_timeout_s must be > 0")
+        if self.prefill < 0 or self.decode < 1:
+            raise ValueError("serve needs at least one decode worker (--decode >= 1)")
+        parse_bytes(self.kv_memory)  # validates
+        if self.failure_policy not in ("recompute", "fail"):
+            raise ValueError("failure_policy must be 'recompute' or 'fail'")
+        if self.max_restarts < 0 or self.max_recreates < 0:
+            raise ValueError("max_restarts and max_recreates must be >= 0")
+        if self.restore_timeout_s <= 0:
+            raise ValueError("restore_timeout_s must be > 0")
+        if not isinstance(self.insecure, bool):
+            raise ValueError("insecure must be true or false")
+        level_of(self.log_level)  # validates
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> ServeConfig:
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        data = {k.replace("-", "_"): v for k, v in data.items()}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown settings {unknown}; known: {sorted(known)}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+    def resolved(self, environ: Mapping[str, str] | None = None) -> ServeConfig:
+        """This config with its secret settled (`secret` set, `secret_file` cleared): see
+        `resolve_secret`. Raises ValueError where a cluster would be joined without one."""
+        secret = resolve_secret(
+            self.secret,
+            self.secret_file,
+            environ,
+            embedded=self.address is None,
+            insecure=self.insecure,
+        )
+        return dataclasses.replace(self, secret=secret, secret_file=None)
+
+    def worker_config(self, role: str, model_path: str) -> WorkerConfig:
+        from hybrid_pd.engine.engine import EngineConfig
+        from hybrid_pd.workers.worker import WorkerConfig
+
+        host = self.worker_host or ("127.0.0.1" if self.address is None else "auto")
+        return WorkerConfig(
+            role=role,
+            model=model_path,
+            host=host,
+            device=self.device,
+            engine=EngineConfig(kv_memory_bytes=parse_bytes(self.kv_memory)),
+            secret=self.secret,
+            lease_s=self.lease_s,
+            failure_policy=self.failure_policy,
+            ucx_tls=self.ucx_tls,
+            max_queued=self.max_queued,
+        )
+
+    def __repr__(self) -> str:  # never print the secret
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        if shown["secret"] is not None:
+            shown["secret"] = "***"
+        return "ServeConfig(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"

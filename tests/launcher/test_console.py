@@ -1,0 +1,114 @@
+"""What `serve` does before it starts anything: its flags for logging, and a port already in
+use refused at once (status 2, one line), before Ray starts or torch is imported."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hybrid_pd.launcher import cli
+from hybrid_pd.launcher.console import PortUnavailable, check_port
+from hybrid_pd.launcher.serve_config import ServeConfig
+
+# Runs the CLI as `hybrid-pd` does, then says whether Ray or torch were ever imported.
+CLI = """import sys
+from hybrid_pd.launcher.cli import main
+rc = main(sys.argv[1:])
+print(sorted(m for m in ("ray", "torch") if m in sys.modules))
+sys.exit(rc)
+"""
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _root_logging(monkeypatch):
+    """cli.main configures the root logger and Ray's console variables: undone after."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    for name in ("RAY_DEDUP_LOGS", "RAY_COLOR_PREFIX"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    root.handlers[:], root.level = handlers, level
+
+
+def test_check_port(busy_port):
+    with pytest.raises(PortUnavailable) as e:
+        check_port("127.0.0.1", busy_port)
+    assert str(e.value).startswith(f"port {busy_port} on 127.0.0.1 is in use (")
+    check_port("127.0.0.1", 0)  # any free port: nothing to check
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    check_port("127.0.0.1", free)
+
+
+def test_serve_on_a_busy_port_exits_2_at_once_without_starting_ray(busy_port):
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI, "serve", "--port", str(busy_port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"hybrid-pd serve: error: port {busy_port} on 127.0.0.1 is in use "
+        "(another process listens there; choose another with --port)"
+    ]
+    assert proc.stdout.strip() == "[]"  # neither Ray nor torch was imported
+    # Python's start and the CLI's imports only (it took 12-20 s, after Ray, before);
+    # well under a second on an idle machine, the bound leaves room for a busy one.
+    assert elapsed < 5, elapsed
+
+
+class Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("argv", "level"),
+    [
+        (["serve"], "info"),
+        (["serve", "-v"], "debug"),
+        (["-v", "serve"], "debug"),
+        (["serve", "--log-level", "warning"], "warning"),
+        (["-v", "serve", "--log-level", "error"], "error"),  # the explicit level wins
+    ],
+)
+def test_log_level_flags_reach_the_deployment(monkeypatch, argv, level):
+    import hybrid_pd.launcher.serve as serve
+
+    seen = []
+
+    def deployment(config, **_):
+        seen.append(config)
+        raise Started
+
+    monkeypatch.setattr(serve, "Deployment", deployment)
+    monkeypatch.setattr("signal.signal", lambda *_: None)
+    with pytest.raises(Started):
+        cli.main([*argv, "--port", "0"])
+    assert seen[0].log_level == level
+    assert logging.getLogger().level == getattr(logging, level.upper())
+
+
+def test_log_level_setting_is_checked(tmp_path):
+    with pytest.raises(ValueError, match="log level must be one of debug, info"):
+        ServeConfig(log_level="loud")
+    path = tmp_path / "serve.yaml"
+    path.write_text("log_level: warning\n")
+    assert ServeConfig.from_yaml(path).log_level == "warning"
+    assert ServeConfig.from_yaml(path, log_level="debug").log_level == "debug"
