@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from hybrid_pd import __version__
+from hybrid_pd.launcher import preflight
 from hybrid_pd.launcher.console import (
     LOG_LEVELS,
     check_port,
@@ -175,6 +176,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    preflight.check_model(args.model)
+    preflight.check_device(args.device)
     if args.disaggregated:
         return _cmd_generate_pd(args)
     from hybrid_pd.engine.engine import Engine, EngineConfig
@@ -412,6 +415,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = config.resolved()  # refuse a cluster without a secret before starting anything
     configure_logging(config.log_level)
     check_port(config.host, config.port)  # a clear error now, not after Ray and the workers
+    preflight.check_model(config.model)
+    if config.address is None:  # a cluster's workers may have devices this machine lacks
+        preflight.check_device(config.device)
     forward_ray_logs_plainly()
     done = threading.Event()
 

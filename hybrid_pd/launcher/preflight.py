@@ -1,0 +1,101 @@
+"""Checks that run before anything starts (Ray, workers, a model load): the checkpoint is
+one the engine can run, and the device exists. Each failure is one line that says what is
+wrong and what would work."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+#: Weight dtypes the loader knows (config.json's `dtype` / `torch_dtype`).
+KNOWN_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class PreflightError(ValueError):
+    pass
+
+
+def check_model(model: str) -> None:
+    """`tiny`, or a checkpoint folder whose architecture, config, weights and tokenizer the
+    engine can use. Raises PreflightError naming the problem."""
+    from hybrid_pd.engine.tiny import TINY_NAME
+
+    if model == TINY_NAME:
+        return
+    folder = Path(model)
+    if not (folder / "config.json").is_file():
+        raise PreflightError(
+            f"{model} is not a checkpoint folder (no config.json); give a folder with "
+            "config.json, *.safetensors and tokenizer.json, or `tiny`"
+        )
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise PreflightError(f"{folder / 'config.json'} is not readable JSON: {e}") from None
+    _check_architecture(config)
+    _check_dtype(config)
+    if not any(folder.glob("*.safetensors")):
+        raise PreflightError(f"{model} holds no *.safetensors weights")
+    if (folder / "tokenizer.json").exists():
+        try:
+            from tokenizers import Tokenizer
+
+            Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # the library's own error types vary
+            raise PreflightError(f"{folder / 'tokenizer.json'} does not load: {e}") from None
+
+
+def _check_architecture(config: dict) -> None:
+    from hybrid_pd.engine.registry import MODEL_REGISTRY
+    from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
+
+    archs = config.get("architectures") or []
+    if not archs:
+        raise PreflightError("config.json has no 'architectures' entry")
+    if archs[0] not in MODEL_REGISTRY:
+        raise PreflightError(
+            f"the engine cannot run architecture {archs[0]!r}; it runs "
+            f"{', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    try:
+        cache_spec_from_config(config)
+    except ValueError as e:
+        raise PreflightError(f"config.json: {e}") from None
+
+
+def _check_dtype(config: dict) -> None:
+    text = config.get("text_config") or {}
+    for source in (text, config):
+        name = source.get("dtype") or source.get("torch_dtype")
+        if name is not None:
+            if str(name).removeprefix("torch.") not in KNOWN_DTYPES:
+                raise PreflightError(
+                    f"config.json: weight dtype {name!r} is not one of {', '.join(KNOWN_DTYPES)}"
+                )
+            return
+
+
+def check_device(device: str | None) -> None:
+    """`device` (a torch device string) exists on this machine; None: torch's default."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise PreflightError(f"--device {device!r} is not a device: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PreflightError(
+                f"--device {device}: this machine has no CUDA device (torch "
+                f"{torch.__version__} sees none); leave --device out to run on CPU"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise PreflightError(
+                f"--device {device}: there are {torch.cuda.device_count()} CUDA devices"
+            )
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise PreflightError(f"--device {device}: MPS is not available here")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise PreflightError(f"--device {device}: use cpu, cuda[:N] or mps")
