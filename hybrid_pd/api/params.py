@@ -31,6 +31,9 @@ class KVTransferParams:
     control_address: str
     fingerprint: str
     transfer_token: str
+    #: A digest of the prompt the params were made for ("" when the maker sets none):
+    #: vLLM's connector refuses params whose digest is not its prompt's.
+    prompt_digest: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -61,6 +64,7 @@ class KVTransferParams:
             control_address=d["control_address"],
             fingerprint=d["fingerprint"],
             transfer_token=d["transfer_token"],
+            prompt_digest=d["prompt_digest"] if isinstance(d.get("prompt_digest"), str) else "",
         ).validated()
 
     def to_pb(self) -> pb.KVTransferParams:
@@ -73,6 +77,7 @@ class KVTransferParams:
             control_address=self.control_address,
             fingerprint=self.fingerprint,
             transfer_token=self.transfer_token,
+            prompt_digest=self.prompt_digest,
         )
 
     @classmethod
@@ -87,6 +92,7 @@ class KVTransferParams:
             control_address=msg.control_address,
             fingerprint=msg.fingerprint,
             transfer_token=msg.transfer_token,
+            prompt_digest=msg.prompt_digest,
         ).validated()
 
     def validated(self) -> KVTransferParams:

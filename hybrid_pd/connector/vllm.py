@@ -517,8 +517,8 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
             control_address=self.control_address,
             fingerprint=self.layout.fingerprint,
             transfer_token=token,
+            prompt_digest=prompt_digest(request.prompt_token_ids),
         ).to_dict()
-        kv["prompt_digest"] = prompt_digest(request.prompt_token_ids)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

@@ -33,14 +33,10 @@ def busy_port():
 
 
 @pytest.fixture(autouse=True)
-def _root_logging(monkeypatch):
-    """cli.main configures the root logger and Ray's console variables: undone after."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+def _ray_console(monkeypatch):
+    """cli.main sets Ray's console variables (the root logger is restored by conftest)."""
     for name in ("RAY_DEDUP_LOGS", "RAY_COLOR_PREFIX"):
         monkeypatch.delenv(name, raising=False)
-    yield
-    root.handlers[:], root.level = handlers, level
 
 
 def test_check_port(busy_port):

@@ -7,6 +7,7 @@ single vLLM instance's tokens."""
 
 from __future__ import annotations
 
+import json
 import random
 import secrets
 import time
@@ -246,3 +247,51 @@ def test_params_for_another_prompt_compute_locally(pd):
     # a's lease was dropped at once, not left to expire.
     m = _settle(pd.prefill, "vllm:kv_cache_usage_perc", 0.0)
     assert m["vllm:kv_cache_usage_perc"] == 0.0
+
+
+def test_hybrid_pd_proxy_serves_a_vllm_pool(pd):
+    """hybrid-pd's own proxy in front of the two vLLM servers, each behind a VllmWorker
+    (our Worker gRPC API relayed to vLLM's HTTP API): every prompt goes prefill -> decode
+    through our connector, and the tokens equal one vLLM instance's, whole and streamed."""
+    import httpx
+
+    from hybrid_pd.proxy.config import ProxyConfig
+    from hybrid_pd.proxy.server import ProxyHandle
+    from hybrid_pd.workers.vllm_worker import VllmWorker
+
+    shims = [
+        VllmWorker(pd.prefill.url, "prefill", pd.model),
+        VllmWorker(pd.decode.url, "decode", pd.model),
+    ]
+    config = ProxyConfig(
+        port=0,
+        served_model_names=("m",),
+        prefill_addresses=(shims[0].address,),
+        decode_addresses=(shims[1].address,),
+        min_prefill_tokens=1,
+    )
+    prompts = _prompts(4, seed=11)
+    refs = [pd.reference(p) for p in prompts]
+    before = pd.decode.metrics().get("hybrid_pd_kv_pulls_total", 0.0)
+    try:
+        with ProxyHandle(config) as proxy, httpx.Client(base_url=proxy.url, timeout=120) as c:
+            card = c.get("/v1/models/m").json()
+            assert card["max_model_len"] == 1024
+            for prompt, ref in zip(prompts, refs, strict=True):
+                body = {**_body(prompt, MAX_TOKENS), "model": "m"}
+                got = c.post("/v1/completions", json=body)
+                assert got.status_code == 200, got.text
+                assert got.json()["choices"][0]["token_ids"] == ref, f"{len(prompt)} tokens"
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+                lines = [ln for ln in s.iter_lines() if ln.startswith("data: {")]
+            streamed = [t for ln in lines for t in json.loads(ln[6:])["choices"][0]["token_ids"]]
+            assert streamed == refs[-1]
+            refused = c.post("/v1/completions", json={**body, "logprobs": 1})
+            assert refused.status_code == 400 and "logprobs" in refused.text
+            metrics = c.get("/metrics").text
+    finally:
+        for shim in shims:
+            shim.close()
+    assert 'hybrid_pd_proxy_routes_total{route="disaggregated"} 5.0' in metrics
+    after = _settle(pd.decode, "hybrid_pd_kv_pulls_total", before + 5)
+    assert after["hybrid_pd_kv_pulls_total"] - before == 5  # every decode pulled its KV
