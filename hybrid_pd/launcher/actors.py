@@ -48,3 +48,72 @@ class WorkerActor:
 
     def shutdown(self) -> None:
         self.worker.close()
+
+
+class VllmWorkerActor:
+    """A vLLM OpenAI server running hybrid-pd's connector (a subprocess under
+    `vllm_python`), and the Worker gRPC API in front of it (`VllmWorker`). A prefill actor
+    serves KVControl on `control_port`, fixed by the launcher so that a restarted actor
+    comes back where its decode peers look for it."""
+
+    def __init__(
+        self,
+        role: str,
+        model: str,
+        *,
+        name: str,
+        log_level: str = "info",
+        vllm_python: str,
+        dtype: str,
+        secret: str | None,
+        control_port: int = 0,
+        peers: tuple[str, ...] = (),
+        cpus: str = "nobind",
+        host: str = "127.0.0.1",
+    ) -> None:
+        import tempfile
+        from pathlib import Path
+
+        from hybrid_pd.connector.vllm_servers import Server
+        from hybrid_pd.workers.vllm_worker import VllmWorker
+
+        self.name = name
+        name_log_prefix(name)
+        configure_logging(log_level)
+        log = Path(tempfile.mkdtemp(prefix=f"hybrid-pd-{name}-")) / "vllm.log"
+        extra: dict = {"control_host": host, "control_port": control_port}
+        if peers:
+            extra["peers"] = list(peers)
+        self.server = Server(
+            Path(model),
+            log,
+            dtype=dtype,
+            role="kv_producer" if role == "prefill" else "kv_consumer",
+            extra=extra,
+            cpus=cpus,
+            env={"HYBRID_PD_SECRET": secret} if secret else None,
+            python=vllm_python,
+        )
+        try:
+            self.server.wait_ready()
+        except BaseException:
+            self.server.stop()
+            raise
+        self.control_address = f"{host}:{control_port}" if role == "prefill" else ""
+        self.worker = VllmWorker(self.server.url, role, model, host=host, secret=secret)
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def address(self) -> str:
+        return self.worker.address
+
+    def health(self) -> dict:
+        """What the launcher logs and checks: the server must answer."""
+        r = self.server.client.get("/health", timeout=5.0)
+        r.raise_for_status()
+        return {"engine_id": self.worker.engine_id, "vllm_url": self.server.url}
+
+    def shutdown(self) -> None:
+        self.worker.close()
+        self.server.stop()

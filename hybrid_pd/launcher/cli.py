@@ -297,6 +297,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="ids clients pass as `model` (the first is listed; default: `tiny`, or the "
         "checkpoint folder's name)",
     )
+    p.add_argument(
+        "--engine",
+        choices=("hybrid-pd", "vllm"),
+        help="the workers' engine: hybrid-pd (default) or vllm (vLLM OpenAI servers running "
+        "hybrid-pd's connector; embedded Ray only)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        help="engine vllm: a Python that has vLLM (default: $HYBRID_PD_VLLM_PYTHON, else this one)",
+    )
+    p.add_argument("--dtype", help="engine vllm: compute dtype (default: the checkpoint's)")
     p.add_argument("--host", help="proxy address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="proxy port (default 8000; 0 picks one)")
     p.add_argument("--kv-memory", help="KV memory per worker (default 1GiB)")
@@ -401,6 +412,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "max_fallback_prefills",
         "max_migrations",
         "log_level",
+        "engine",
+        "vllm_python",
+        "dtype",
     )
     overrides = {k: getattr(args, k) for k in keys}
     if args.log_level is None and args.verbose:
@@ -415,8 +429,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = config.resolved()  # refuse a cluster without a secret before starting anything
     configure_logging(config.log_level)
     check_port(config.host, config.port)  # a clear error now, not after Ray and the workers
-    preflight.check_model(config.model)
-    if config.address is None:  # a cluster's workers may have devices this machine lacks
+    preflight.check_model(config.model, engine=config.engine)
+    if config.engine == "vllm":
+        preflight.check_python(config.resolved_vllm_python())
+    elif config.address is None:  # a cluster's workers may have devices this machine lacks
         preflight.check_device(config.device)
     forward_ray_logs_plainly()
     done = threading.Event()

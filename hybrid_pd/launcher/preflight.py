@@ -15,9 +15,10 @@ class PreflightError(ValueError):
     pass
 
 
-def check_model(model: str) -> None:
+def check_model(model: str, engine: str = "hybrid-pd") -> None:
     """`tiny`, or a checkpoint folder whose architecture, config, weights and tokenizer the
-    engine can use. Raises PreflightError naming the problem."""
+    engine can use (engine "vllm": vLLM judges the architecture itself). Raises
+    PreflightError naming the problem."""
     from hybrid_pd.engine.tiny import TINY_NAME
 
     if model == TINY_NAME:
@@ -32,7 +33,8 @@ def check_model(model: str) -> None:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise PreflightError(f"{folder / 'config.json'} is not readable JSON: {e}") from None
-    _check_architecture(config)
+    if engine == "hybrid-pd":
+        _check_architecture(config)
     _check_dtype(config)
     if not any(folder.glob("*.safetensors")):
         raise PreflightError(f"{model} holds no *.safetensors weights")
@@ -99,3 +101,13 @@ def check_device(device: str | None) -> None:
         raise PreflightError(f"--device {device}: MPS is not available here")
     elif dev.type not in ("cpu", "cuda", "mps"):
         raise PreflightError(f"--device {device}: use cpu, cuda[:N] or mps")
+
+
+def check_python(python: str) -> None:
+    """`python` is an interpreter this machine can run (engine vllm's servers use it)."""
+    import os
+    import shutil
+
+    path = shutil.which(python) or python
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise PreflightError(f"--vllm-python {python}: no such executable")

@@ -73,7 +73,7 @@ class Deployment:
         import ray
 
         from hybrid_pd.engine.tiny import TINY_NAME, resolve_model
-        from hybrid_pd.launcher.actors import WorkerActor
+        from hybrid_pd.launcher.actors import VllmWorkerActor, WorkerActor
 
         config = config.resolved()  # the secret: given, generated (embedded) or refused
         self.config = config
@@ -91,16 +91,25 @@ class Deployment:
         # Each worker resolves `tiny` on its own node (built there if missing); a checkpoint
         # path must exist at the same place on every node.
         self._worker_model = config.model if config.model == TINY_NAME else model_path
+        if config.engine == "vllm" and config.address is not None:
+            raise ValueError("engine vllm runs on embedded Ray only (no --address) for now")
         self._init_ray()
         self._gpu = 1 if (config.device or "").startswith("cuda") else 0
-        self._remote = ray.remote(WorkerActor)
+        vllm = config.engine == "vllm"
+        self._remote = ray.remote(VllmWorkerActor if vllm else WorkerActor)
+        self._vllm_args = _vllm_slots(config, model_path) if vllm else {}
         self.actors: dict[str, list] = {"prefill": [], "decode": []}
         try:
-            for role, count in (("prefill", config.prefill), ("decode", config.decode)):
-                for i in range(count):
-                    logger.info("%s-%d: starting, loading model %s", role, i, config.model)
-                    self.actors[role].append(self._spawn(role, i))
-            self.addresses = self._await_workers(timeout=300, interrupt=interrupt)
+            # vLLM decode servers are told their prefill peers when they start: prefill first.
+            stages = [("prefill", "decode")] if not vllm else [("prefill",), ("decode",)]
+            self.addresses = {"prefill": [], "decode": []}
+            for stage in stages:
+                for role in stage:
+                    for i in range(config.prefill if role == "prefill" else config.decode):
+                        logger.info("%s-%d: starting, loading model %s", role, i, config.model)
+                        self.actors[role].append(self._spawn(role, i))
+                up = self._await_workers(timeout=300, interrupt=interrupt, roles=stage)
+                self.addresses.update(up)
             self._start_proxy(model_path)
         except BaseException:
             self._kill_actors()
@@ -144,6 +153,16 @@ class Deployment:
         logger.info("Ray: %s, its logs in %s/logs", how, info.get("session_dir", "?"))
 
     def _spawn(self, role: str, index: int):
+        if self._vllm_args:
+            return self._remote.options(
+                resources={role: 1}, num_cpus=0, max_restarts=self.config.max_restarts
+            ).remote(
+                role,
+                self._worker_model,
+                name=f"{role}-{index}",
+                log_level=self.config.log_level,
+                **self._vllm_args[(role, index)],
+            )
         return self._remote.options(
             resources={role: 1},
             num_cpus=0,
@@ -185,7 +204,10 @@ class Deployment:
         return self.proxy.url
 
     def _await_workers(
-        self, timeout: float, interrupt: threading.Event | None
+        self,
+        timeout: float,
+        interrupt: threading.Event | None,
+        roles: tuple[str, ...] = ("prefill", "decode"),
     ) -> dict[str, list[str]]:
         """Every worker's gRPC address, waiting until each has loaded its model; each is
         logged as it comes up, with its KV capacity. Raises the actor's own error when one
@@ -194,10 +216,10 @@ class Deployment:
 
         pending = {
             actor.address.remote(): (role, i)
-            for role, actors in self.actors.items()
-            for i, actor in enumerate(actors)
+            for role in roles
+            for i, actor in enumerate(self.actors[role])
         }
-        out: dict[str, list[str]] = {role: [""] * len(a) for role, a in self.actors.items()}
+        out: dict[str, list[str]] = {role: [""] * len(self.actors[role]) for role in roles}
         deadline = time.monotonic() + timeout
         while pending:
             if interrupt is not None and interrupt.is_set():
@@ -220,6 +242,16 @@ class Deployment:
             stats = ray.get(self.actors[role][i].health.remote(), timeout=30)
         except Exception as e:  # up, but not answering (yet): say so, go on
             logger.info("%s-%d: ready at %s (no stats: %s)", role, i, address, _one_line(e, 120))
+            return
+        if "num_blocks" not in stats:  # a vLLM server: its own cache
+            logger.info(
+                "%s-%d: ready at %s (engine %s, vLLM server at %s)",
+                role,
+                i,
+                address,
+                stats.get("engine_id", "?"),
+                stats.get("vllm_url", "?"),
+            )
             return
         blocks = int(stats["num_blocks"]) - 1  # block 0 is the null block
         size = int(stats["block_size"])
@@ -455,3 +487,44 @@ def wait_ready(url: str, timeout: float = 120.0, abort: threading.Event | None =
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} not healthy within {timeout:.0f} s")
+
+
+def _vllm_slots(config: ServeConfig, model_path: str) -> dict[tuple[str, int], dict]:
+    """Per worker slot, the VllmWorkerActor arguments besides role and model: the vLLM
+    Python and dtype, the secret, CPUs of its own (vLLM CPU servers bind their compute
+    threads: servers sharing cores slow each other down by orders of magnitude), and fixed
+    control ports (a restarted prefill actor comes back where its decode peers look)."""
+    import json
+    import os
+    from pathlib import Path
+
+    from hybrid_pd.connector.vllm_servers import free_port
+
+    dtype = config.dtype
+    if dtype is None:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        text = cfg.get("text_config") or {}
+        dtype = str(text.get("dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    cpus = sorted(os.sched_getaffinity(0))
+    n = config.prefill + config.decode
+    share = max(1, len(cpus) // n)
+    common = {
+        "vllm_python": config.resolved_vllm_python(),
+        "dtype": dtype.removeprefix("torch."),
+        "secret": config.secret,
+    }
+    slots: dict[tuple[str, int], dict] = {}
+    ports = [free_port() for _ in range(config.prefill)]
+    peers = tuple(f"127.0.0.1:{p}" for p in ports)
+    k = 0
+    for role, count in (("prefill", config.prefill), ("decode", config.decode)):
+        for i in range(count):
+            mine = cpus[(k * share) % len(cpus) :][:share] if len(cpus) >= n else []
+            k += 1
+            slot = {**common, "cpus": ",".join(map(str, mine)) or "nobind"}
+            if role == "prefill":
+                slot["control_port"] = ports[i]
+            else:
+                slot["peers"] = peers
+            slots[(role, i)] = slot
+    return slots

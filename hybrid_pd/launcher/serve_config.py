@@ -50,6 +50,12 @@ def resolve_secret(
     )
 
 
+#: Engines `serve` can run its workers on.
+ENGINES = ("hybrid-pd", "vllm")
+#: Where a Python with vLLM is found when `vllm_python` is not set.
+VLLM_PYTHON_ENV = "HYBRID_PD_VLLM_PYTHON"
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = "tiny"
@@ -97,6 +103,13 @@ class ServeConfig:
     #: Logging of the launcher, the proxy (its access log included) and the workers:
     #: debug, info, warning or error.
     log_level: str = "info"
+    #: The engine of the workers: "hybrid-pd" (ours) or "vllm" (vLLM OpenAI servers running
+    #: hybrid-pd's connector, each behind our Worker API).
+    engine: str = "hybrid-pd"
+    #: engine vllm: a Python that has vLLM (None: $HYBRID_PD_VLLM_PYTHON, else this one).
+    vllm_python: str | None = None
+    #: engine vllm: the compute dtype (None: the checkpoint's, else float32).
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         names = self.served_model_names
@@ -123,6 +136,13 @@ class ServeConfig:
         if not isinstance(self.insecure, bool):
             raise ValueError("insecure must be true or false")
         level_of(self.log_level)  # validates
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "vllm" and self.model == "tiny":
+            raise ValueError(
+                "engine vllm serves a checkpoint folder: give --model PATH (vLLM's CPU "
+                "attention needs head_dim 64 or 128, which the built-in model lacks)"
+            )
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> ServeConfig:
@@ -168,6 +188,11 @@ class ServeConfig:
             ucx_tls=self.ucx_tls,
             max_queued=self.max_queued,
         )
+
+    def resolved_vllm_python(self) -> str:
+        import sys
+
+        return self.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
 
     def __repr__(self) -> str:  # never print the secret
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
