@@ -14,7 +14,8 @@ from hybrid_pd.engine.sampling import SamplingParams
 from tests import checkpoints
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
-BUILDS = {"gemma3": checkpoints.gemma3}
+# Gemma 3 (sliding + full layers) and Mistral (sliding on every layer).
+BUILDS = {"gemma3": checkpoints.gemma3, "mistral": checkpoints.mistral}
 
 
 @pytest.mark.parametrize("name", sorted(BUILDS))
