@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of the three engine architectures, saved in Hugging Face format."""
+"""Tiny random checkpoints of the engine architectures, saved in Hugging Face format."""
 
 from __future__ import annotations
 
@@ -102,6 +102,101 @@ def gemma3(
     return _save(model, folder, tokenizer_vocab)
 
 
+# The dense Llama-family decoders. Weights: transformers' init at a larger std, plus random
+# biases and norm weights (transformers starts them at 0 and 1), so that every switch of the
+# family matters and greedy continuations differ from prompt to prompt.
+_DENSE = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    initializer_range=0.15,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def _dense(config_cls: str, model_cls: str, folder: Path, fields: dict, tokenizer_vocab):
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(**fields)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("bias"):
+                p.normal_(0.0, 0.3)
+            elif "norm" in param_name:
+                p.normal_(1.0, 0.3)
+    return _save(model, folder, tokenizer_vocab)
+
+
+def llama(root: Path, name: str = "llama", tokenizer_vocab: int | None = None, **overrides):
+    """Llama 3.1-style RoPE (llama3 scaling from 64 positions), q/k/v/o and MLP biases,
+    head_dim derived (64 / 4 heads)."""
+    fields = dict(
+        _DENSE,
+        num_hidden_layers=3,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 5000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+    fields.update(overrides)
+    return _dense("LlamaConfig", "LlamaForCausalLM", root / name, fields, tokenizer_vocab)
+
+
+def mistral(root: Path, name: str = "mistral", tokenizer_vocab: int | None = None, **overrides):
+    """Sliding window (SW_WINDOW) on every layer, one KV head, head_dim 32 given."""
+    fields = dict(
+        _DENSE,
+        num_hidden_layers=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=SW_WINDOW,
+    )
+    fields.update(overrides)
+    return _dense("MistralConfig", "MistralForCausalLM", root / name, fields, tokenizer_vocab)
+
+
+def qwen2(root: Path, name: str = "qwen2", tokenizer_vocab: int | None = None, **overrides):
+    """q/k/v biases, tied embeddings, yarn RoPE (factor 4 from 512 positions)."""
+    fields = dict(
+        _DENSE,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 512,
+        },
+    )
+    fields.update(overrides)
+    return _dense("Qwen2Config", "Qwen2ForCausalLM", root / name, fields, tokenizer_vocab)
+
+
+def qwen3(root: Path, name: str = "qwen3", tokenizer_vocab: int | None = None, **overrides):
+    """Per-head q/k norms, head_dim 32 given (not 64 / 4 heads), RoPE theta 1e6."""
+    fields = dict(
+        _DENSE,
+        num_hidden_layers=3,
+        head_dim=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    )
+    fields.update(overrides)
+    return _dense("Qwen3Config", "Qwen3ForCausalLM", root / name, fields, tokenizer_vocab)
+
+
 def _save(model, folder: Path, tokenizer_vocab: int | None = None) -> Path:
     if not (folder / "config.json").exists():
         model.save_pretrained(folder, safe_serialization=True)
@@ -109,4 +204,14 @@ def _save(model, folder: Path, tokenizer_vocab: int | None = None) -> Path:
     return folder
 
 
-BUILDERS = {"qwen3_5": qwen3_5, "granite_hybrid": granite_hybrid, "gemma3": gemma3}
+# The checkpoints the P/D and remote-KV tests run (each costs two worker processes, about
+# 5 s, in the P/D test).
+BUILDERS = {
+    "qwen3_5": qwen3_5,
+    "granite_hybrid": granite_hybrid,
+    "gemma3": gemma3,
+    "llama": llama,
+    "mistral": mistral,
+    "qwen2": qwen2,
+    "qwen3": qwen3,
+}

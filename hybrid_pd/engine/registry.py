@@ -15,6 +15,10 @@ MODEL_REGISTRY: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "granite_hybrid:GraniteMoeHybridForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3ForCausalLM",
+    "LlamaForCausalLM": "llama:DenseForCausalLM",
+    "MistralForCausalLM": "llama:DenseForCausalLM",
+    "Qwen2ForCausalLM": "llama:DenseForCausalLM",
+    "Qwen3ForCausalLM": "llama:DenseForCausalLM",
 }
 
 

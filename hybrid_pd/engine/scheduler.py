@@ -190,6 +190,20 @@ class Scheduler:
                 n = boundary - req.num_computed
         return n
 
+    def _fit_alone(self, req: Request, n: int, hit) -> tuple[int, BlockIds | None]:
+        """Halve a chunk until its blocks fit, for a request that has the pool to itself.
+
+        A chunk needs blocks for all of its tokens at once, before a sliding-window layer
+        can drop the ones that slid out, so one chunk may need more blocks than the whole
+        request ever holds (`check_fits`). Waiting for blocks nobody will free would hang
+        the request forever; a smaller chunk needs fewer."""
+        rid = RequestId(req.request_id)
+        ids = None
+        while ids is None and n > 1:
+            n //= 2
+            ids = self.kv.allocate_slots(rid, req.all_ids, n, hit)
+        return n, ids
+
     def _preempt(self, out: SchedulerOutput) -> Request:
         victim = self.running.pop()
         self.kv.free(RequestId(victim.request_id))
@@ -215,6 +229,9 @@ class Scheduler:
                 continue
             rid = RequestId(req.request_id)
             while (ids := self.kv.allocate_slots(rid, req.all_ids, n)) is None:
+                if n > 1 and self.running == [req] and not self.receiving:
+                    n //= 2  # alone and still short: split the chunk (see _fit_alone)
+                    continue
                 victim = self._preempt(out)
                 if victim is req:
                     break
@@ -249,6 +266,8 @@ class Scheduler:
             req.num_computed = hit.num_tokens
             n = self._chunk(req, budget)
             ids = self.kv.allocate_slots(rid, req.all_ids, n, hit)
+            if ids is None and not self.running and not self.receiving:
+                n, ids = self._fit_alone(req, n, hit)
             if ids is None:
                 req.num_computed = 0
                 break

@@ -8,8 +8,10 @@ MLP / MoE blocks). Layers are named ``model.layers.{i}`` after the decoder layer
 Missing fields: defaults are applied only where published checkpoints rely on the transformers
 config default (Gemma 3 ``text_config`` omits heads and window, Qwen omits
 ``full_attention_interval``, Llama 4 leaves ``no_rope_layers`` empty, Granite/Bamba write
-``mamba_d_head: "auto"``); any other missing size field raises a ValueError naming the field
-and the architecture. Multi-token-prediction (MTP) layers are not included.
+``mamba_d_head: "auto"``; a Mistral config without ``sliding_window`` slides over transformers'
+4096 tokens, while an explicit null means full attention); any other missing size field raises
+a ValueError naming the field and the architecture. Multi-token-prediction (MTP) layers are not
+included.
 
 Dtypes:
   * attention KV: the ``dtype`` argument, else the config's ``dtype`` / ``torch_dtype``
@@ -425,7 +427,10 @@ def _dense(f: _Fields, d: _Dtypes) -> _Layers:
 
 
 def _mistral(f: _Fields, d: _Dtypes) -> _Layers:
-    """Mistral: sliding window on every layer when ``sliding_window`` is set, else full."""
+    """Mistral: sliding window on every layer when ``sliding_window`` is set, full attention
+    when it is null; a config without the field gets transformers' default window (4096)."""
+    if "sliding_window" not in f.values:
+        f = _Fields(f.arch, {**f.values, "sliding_window": _MISTRAL_WINDOW}, f.defaults)
     spec = _sliding(f, d) if f.get("sliding_window") is not None else _full(f, d)
     return [spec] * f.num_layers()
 
@@ -457,6 +462,7 @@ _GEMMA3_DEFAULTS = {
     "max_position_embeddings": 131072,
 }
 _MAMBA2_DEFAULTS = {"mamba_d_head": "auto", "mamba_expand": 2}
+_MISTRAL_WINDOW = 4096  # MistralConfig's default sliding_window
 _LLAMA4_DEFAULTS = {"no_rope_layer_interval": 4, "attention_chunk_size": 8192}
 
 _REGISTRY: dict[str, tuple[_Builder, Mapping[str, Any]]] = {

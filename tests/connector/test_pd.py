@@ -9,6 +9,7 @@ from hybrid_pd.api.wire import sampling_to_pb
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.kvcache.grouping import HMAOffError, plan_groups
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
+from hybrid_pd.kvcache.specs import FullAttentionSpec
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 from tests.checkpoints import BUILDERS, MAMBA_CHUNK, SW_WINDOW
@@ -24,7 +25,8 @@ from tests.connector.pd_fixtures import (
 pytestmark = pytest.mark.slow
 
 N_NEW = 12
-# Shorter and longer than the sliding window (16); several Mamba2 (16) and GDN (64) chunks.
+# Shorter and longer than the sliding window (16); several Mamba2 (16) and GDN (64) chunks;
+# past the 64 positions llama3 RoPE keeps unscaled in the llama checkpoint.
 LENGTHS = (5, 3 * SW_WINDOW + 1, 9 * MAMBA_CHUNK + 3)
 
 
@@ -43,6 +45,7 @@ def test_pd_output_equals_single_engine(arch):
     sampling = sampling_to_pb(SamplingParams(max_tokens=N_NEW, ignore_eos=True))
     kv_config = ref.kv_config
     spec = cache_spec_from_config(str(path), dtype="float32")
+    windowed = any(not isinstance(s, FullAttentionSpec) for s in spec.layers.values())
     for i, n in enumerate(LENGTHS):
         p = prompt(n, seed=i)
         expected = reference_tokens(ref, p, N_NEW)
@@ -57,7 +60,9 @@ def test_pd_output_equals_single_engine(arch):
         assert 1 <= out.transfer["messages"] <= len(kv_config.groups)
         try:
             off = plan_groups(spec, hma=False, block_size=kv_config.block_size)
-            if n > 2 * SW_WINDOW:  # past the window HMA ships strictly less
+            if not windowed:  # full attention only: nothing for HMA to save
+                assert off.bytes_per_request(n) == out.transfer["bytes"]
+            elif n > 2 * SW_WINDOW:  # past the window HMA ships strictly less
                 assert off.bytes_per_request(n) > out.transfer["bytes"]
         except HMAOffError:
             assert spec.state_layers  # Mamba/GDN models cannot run with HMA off at all

@@ -60,11 +60,13 @@ class ScriptedLoads:
         self._done.append(LoadResult(request_id, None, 1, 1, 0.0))
 
     def break_halfway(self, request_id: str) -> int:
-        """Write garbage into the second half of each group's blocks, then fail."""
+        """Write garbage into the second half of each group's real (non-null) blocks, then
+        fail."""
         _, block_ids = self.started.pop(request_id)
         written = 0
         for group in block_ids:
-            for b in [b for b in group if b != NULL_BLOCK_ID][len(group) // 2 :]:
+            real = [b for b in group if b != NULL_BLOCK_ID]
+            for b in real[len(real) // 2 :]:
                 region = self.dst_pool.region(b, 1)
                 region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
                 written += 1

@@ -404,6 +404,14 @@ def test_mistral_without_sliding_window_is_full_attention() -> None:
     assert kinds(cache_spec_from_config(cfg)) == {"FullAttentionSpec": 32}
 
 
+def test_mistral_without_the_field_gets_the_transformers_default_window() -> None:
+    cfg = real("mistralai/Mistral-7B-v0.1")
+    del cfg["sliding_window"]
+    spec = cache_spec_from_config(cfg)
+    assert kinds(spec) == {"SlidingWindowSpec": 32}
+    assert only(spec, SlidingWindowSpec).window == 4096  # MistralConfig's default
+
+
 def test_qwen2_use_sliding_window_applies_from_max_window_layers() -> None:
     cfg = real("Qwen/Qwen2.5-7B-Instruct")
     cfg.update(use_sliding_window=True, sliding_window=4096, max_window_layers=20)

@@ -8,29 +8,40 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """RMS norm; `offset=1.0` gives the (1 + weight) form (Gemma, Qwen3.5) with zero init."""
+    """RMS norm; `offset=1.0` gives the (1 + weight) form (Gemma, Qwen3.5) with zero init.
 
-    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+    The weight multiplies in float32 before the cast back (Gemma, Qwen3.5), or with
+    `scale_after_cast` in the input dtype after it (Llama, Mistral, Qwen2/3: the same in
+    float32, a different rounding in bfloat16)."""
+
+    def __init__(
+        self, dim: int, eps: float = 1e-6, offset: float = 0.0, scale_after_cast: bool = False
+    ) -> None:
         super().__init__()
         self.eps = eps
         self.offset = offset
+        self.scale_after_cast = scale_after_cast
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.scale_after_cast:
+            return (self.offset + self.weight) * xf.to(dtype)
         return (xf * (self.offset + self.weight.float())).to(dtype)
 
 
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x))."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
