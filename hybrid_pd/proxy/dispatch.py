@@ -266,6 +266,10 @@ class Job:
                 prefill = None  # resume from prompt + produced tokens, recomputed
                 deadline = time.monotonic() + d.config.queue_timeout_s
             except _Full:
+                # The deadline holds on this path too: a worker whose full-backoff has
+                # ended is picked again at once, so _pick_decode alone would never see it.
+                if time.monotonic() > deadline:
+                    raise overloaded("every decode worker is busy; retry later") from None
                 continue
 
     async def _pick_decode(self, deadline: float) -> WorkerState:
