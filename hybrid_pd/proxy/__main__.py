@@ -6,10 +6,10 @@ The process loads no torch and no model: what it serves it learns from the worke
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from hybrid_pd.api.secret import given_secret
+from hybrid_pd.launcher.console import configure_logging
 from hybrid_pd.proxy.config import ProxyConfig
 
 
@@ -33,6 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--secret-file", help="the workers' control-plane secret, from this file")
     p.add_argument("--min-prefill-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, help="a lower limit than the workers' own")
+    p.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help="logging, the access log included (default info)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO)
+    configure_logging(args.log_level or ("debug" if args.verbose else "info"))
     try:
         return run(args)
     except ValueError as e:
