@@ -104,10 +104,26 @@ def check_device(device: str | None) -> None:
 
 
 def check_python(python: str) -> None:
-    """`python` is an interpreter this machine can run (engine vllm's servers use it)."""
+    """`python` is an interpreter this machine can run, with vLLM and hybrid-pd installed
+    (engine vllm's servers run under it). Looks the packages up without importing them."""
     import os
     import shutil
+    import subprocess
 
     path = shutil.which(python) or python
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         raise PreflightError(f"--vllm-python {python}: no such executable")
+    modules = ("vllm", "hybrid_pd")
+    probe = f"import importlib.util as u; print(*(u.find_spec(m) is None for m in {modules}))"
+    try:
+        out = subprocess.run([path, "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise PreflightError(f"--vllm-python {python}: cannot run it ({e})") from None
+    flags = out.stdout.split()
+    missing = [m for m, gone in zip(modules, flags, strict=False) if gone == "True"]
+    if out.returncode != 0 or missing:
+        raise PreflightError(
+            f"--vllm-python {python}: {' and '.join(missing) or 'the probe'} "
+            f"{'is' if len(missing) < 2 else 'are'} not importable there (see docs/vllm.md, "
+            "Install; or set HYBRID_PD_VLLM_PYTHON)"
+        )

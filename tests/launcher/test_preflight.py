@@ -91,3 +91,19 @@ def test_checkpoint_problems_are_named(tmp_path, tiny_config, change, weights, t
         checkpoint(folder, config, weights, tokenizer)
     with pytest.raises(PreflightError, match=words):
         check_model(str(folder))
+
+
+def test_vllm_python_must_have_vllm_and_hybrid_pd():
+    import importlib.util
+
+    from hybrid_pd.launcher.preflight import check_python
+
+    with pytest.raises(PreflightError, match="no such executable"):
+        check_python("/nonexistent/python")
+    if importlib.util.find_spec("vllm") is None:  # this suite's own environment
+        with pytest.raises(PreflightError, match="vllm is not importable"):
+            check_python(sys.executable)
+    else:
+        check_python(sys.executable)
+    rc, err, _ = run_cli("serve", "--engine", "vllm", "--port", "0")  # the built-in model
+    assert rc == 2 and "engine vllm serves a checkpoint folder" in err, err
