@@ -197,6 +197,95 @@ def qwen3(root: Path, name: str = "qwen3", tokenizer_vocab: int | None = None, *
     return _dense("Qwen3Config", "Qwen3ForCausalLM", root / name, fields, tokenizer_vocab)
 
 
+# The Mamba2 hybrids without MoE. Weights: transformers' init at std 0.2, then A and dt spread
+# so that heads decay at different rates, a random D, random biases and norm weights
+# (transformers starts them at 0 and 1), so greedy continuations differ from prompt to prompt.
+_MAMBA2 = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.2,
+    max_position_embeddings=2048,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def _spread_mamba2(model) -> None:
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("A_log"):
+                p.uniform_(-1.0, 1.0)
+            elif param_name.endswith("dt_bias"):
+                p.uniform_(-1.5, 0.5)
+            elif param_name.endswith(".D"):
+                p.normal_(0.0, 1.0)
+            elif param_name.endswith("bias"):
+                p.normal_(0.0, 0.3)
+            elif "norm" in param_name:
+                p.normal_(1.0, 0.3)
+        for buffer_name, b in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):  # Nemotron-H MoE routers
+                b.normal_(0.0, 0.1)
+
+
+def bamba(root: Path, name: str = "bamba", tokenizer_vocab: int | None = None, **overrides):
+    """Attention at layer 1 of 4, B/C in 2 groups, RoPE on half of each 16-dim head (as
+    BambaConfig forces), MLP and attention biases."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(
+        _MAMBA2,
+        num_hidden_layers=4,
+        attn_layer_indices=[1],
+        attention_bias=True,
+        mlp_bias=True,
+        mamba_n_heads=8,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_n_groups=2,
+        mamba_chunk_size=MAMBA_CHUNK,
+    )
+    fields.update(overrides)
+    model = transformers.BambaForCausalLM(transformers.BambaConfig(**fields)).eval()
+    _spread_mamba2(model)
+    return _save(model, root / name, tokenizer_vocab)
+
+
+def nemotron_h(
+    root: Path, name: str = "nemotron_h", tokenizer_vocab: int | None = None, **overrides
+):
+    """Pattern M-*M- (Mamba2, relu2 MLP, attention, Mamba2, MLP), B/C in 2 groups, Mamba
+    inner size 8 heads x 24 (not expand x hidden), projection and MLP biases. The time-step
+    floor is 1e-4 so that no dt reaches it: transformers' decode path would skip the clamp."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(
+        _MAMBA2,
+        hybrid_override_pattern="M-*M-",
+        head_dim=16,
+        mamba_num_heads=8,
+        mamba_head_dim=24,
+        n_groups=2,
+        ssm_state_size=16,
+        conv_kernel=4,
+        chunk_size=MAMBA_CHUNK,
+        use_bias=True,
+        mlp_bias=True,
+        time_step_min=1e-4,
+    )
+    fields.update(overrides)
+    model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**fields)).eval()
+    _spread_mamba2(model)
+    return _save(model, root / name, tokenizer_vocab)
+
+
 def _save(model, folder: Path, tokenizer_vocab: int | None = None) -> Path:
     if not (folder / "config.json").exists():
         model.save_pretrained(folder, safe_serialization=True)
@@ -209,6 +298,8 @@ def _save(model, folder: Path, tokenizer_vocab: int | None = None) -> Path:
 BUILDERS = {
     "qwen3_5": qwen3_5,
     "granite_hybrid": granite_hybrid,
+    "bamba": bamba,
+    "nemotron_h": nemotron_h,
     "gemma3": gemma3,
     "llama": llama,
     "mistral": mistral,

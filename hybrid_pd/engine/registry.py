@@ -13,6 +13,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5:Qwen3_5ForCausalLM",
     "GraniteMoeHybridForCausalLM": "granite_hybrid:GraniteMoeHybridForCausalLM",
+    "BambaForCausalLM": "bamba:BambaForCausalLM",
+    "NemotronHForCausalLM": "nemotron_h:NemotronHForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3ForCausalLM",
     "LlamaForCausalLM": "llama:DenseForCausalLM",

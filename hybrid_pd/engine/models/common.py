@@ -55,6 +55,8 @@ def activation(name: str):
         return lambda x: F.gelu(x, approximate="tanh")
     if name == "gelu":
         return F.gelu
+    if name == "relu2":  # squared ReLU (Nemotron-H)
+        return lambda x: torch.square(F.relu(x))
     raise ValueError(f"unsupported activation {name!r}")
 
 

@@ -1,0 +1,75 @@
+"""Plain GQA self-attention over the paged pool, for hybrids whose attention layers have no
+extras (Bamba, Nemotron-H): q/k/v/o projections, optional RoPE on the first `rotary_dim`
+dims of each head (rotate-half layout), softmax scale head_dim^-0.5, causal over every
+earlier token of the request.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.rope import rotate
+from hybrid_pd.engine.paged import paged_attention
+from hybrid_pd.kvcache.specs import AttentionSpec
+
+
+class PagedSelfAttention(nn.Module):
+    """Checkpoint names: q_proj, k_proj, v_proj, o_proj. `spec` is the layer's cache spec:
+    the KV heads and head dim come from it, so attention reads what the cache keeps."""
+
+    def __init__(
+        self,
+        name: str,
+        hidden: int,
+        num_heads: int,
+        spec: AttentionSpec,
+        *,
+        bias: bool = False,
+        rotary_dim: int = 0,
+    ) -> None:
+        super().__init__()
+        if num_heads % spec.num_kv_heads:
+            raise ValueError(
+                f"{name}: {num_heads} attention heads are not a multiple of "
+                f"{spec.num_kv_heads} KV heads"
+            )
+        if rotary_dim % 2 or rotary_dim > spec.head_dim:
+            raise ValueError(f"{name}: rotary dim {rotary_dim} does not fit head dim")
+        self.name = name
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
+        self.rotary_dim = rotary_dim
+        self.scale = self.head_dim**-0.5
+        q_out, kv_out = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_out, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_out, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_out, bias=bias)
+        self.o_proj = nn.Linear(q_out, hidden, bias=bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """x [T, hidden]; `cos_sin` [T, 1, rotary_dim] each when the layer rotates."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.rotary_dim:
+            cos, sin = cos_sin
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        out = paged_attention(self.name, q, k, v, batch, scale=self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return rotate(x, cos, sin)
+        turned = rotate(x[..., : self.rotary_dim], cos, sin)
+        return torch.cat([turned, x[..., self.rotary_dim :]], dim=-1)

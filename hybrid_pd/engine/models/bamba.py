@@ -1,0 +1,186 @@
+"""Bamba (transformers ``BambaForCausalLM``): Mamba2 + attention hybrid with SwiGLU MLPs.
+
+Layers listed in ``attn_layer_indices`` are attention, all others Mamba2 (the split is read
+from the layer cache specs of `kvcache.hf_configs`, so the model and the pool agree). Per layer:
+
+    x += mixer(input_layernorm(x))            mixer: Mamba2 (`mamba2.py`) or attention
+    x += feed_forward(pre_ff_layernorm(x))    down(act(gate(x)) * up(x))
+
+then ``final_layernorm`` and ``lm_head`` (tied to the embedding with ``tie_word_embeddings``).
+RMS norms apply their weight after the cast back, as transformers' BambaRMSNorm.
+
+Attention: GQA with softmax scale head_dim^-0.5 and RoPE on the first half of each head only:
+transformers hard-codes ``partial_rotary_factor`` 0.5 for Bamba (a value inside
+``rope_parameters`` wins; a top-level one is overridden). The Mamba2 mixer uses ``hidden_act``
+after its conv, ``mamba_chunk_size`` chunks and ``time_step_limit``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.attention import PagedSelfAttention
+from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
+from hybrid_pd.engine.models.mamba2 import (
+    Mamba2Dims,
+    Mamba2Mixer,
+    check_state_spec,
+    time_step_limit,
+)
+from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings
+from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
+from hybrid_pd.kvcache.specs import AttentionSpec, LayerSpec, StateSpec
+
+_ARCH = "Bamba"
+_PARTIAL_ROTARY = 0.5  # BambaConfig passes this to the RoPE standardisation unconditionally
+_IGNORED = ("rotary_emb.",)
+
+
+def _int(c: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = c.get(key, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{_ARCH}: config field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+class _Settings:
+    """A Bamba config dict, validated, with BambaConfig's defaults."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        c = config.get("text_config") or config
+        self.vocab = _int(c, "vocab_size", 128000)
+        self.hidden = _int(c, "hidden_size", 4096)
+        self.intermediate = _int(c, "intermediate_size", 14336)
+        self.num_heads = _int(c, "num_attention_heads", 32)
+        self.eps = float(c.get("rms_norm_eps") or 1e-5)
+        self.act = c.get("hidden_act") or "silu"
+        self.tie = bool(c.get("tie_word_embeddings") or False)
+        self.attn_bias = bool(c.get("attention_bias") or False)
+        self.mlp_bias = bool(c.get("mlp_bias") or False)
+        specs = cache_spec_from_config(dict(config), dtype="float32").layers
+        n = _int(c, "num_hidden_layers", 32)
+        self.specs: list[LayerSpec] = [specs[f"model.layers.{i}"] for i in range(n)]
+
+        heads = _int(c, "mamba_n_heads", 128)
+        inner = int((c.get("mamba_expand") or 2) * self.hidden)
+        head_dim = c.get("mamba_d_head", "auto")
+        head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+        if head_dim * heads != inner:
+            raise ValueError(
+                f"{_ARCH}: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden"
+            )
+        self.mamba = Mamba2Dims(
+            hidden=self.hidden,
+            heads=heads,
+            head_dim=head_dim,
+            groups=_int(c, "mamba_n_groups", 1),
+            state=_int(c, "mamba_d_state", 256),
+            conv_kernel=_int(c, "mamba_d_conv", 4),
+            chunk=_int(c, "mamba_chunk_size", 256),
+            eps=self.eps,
+            act=self.act,
+            conv_bias=bool(c.get("mamba_conv_bias", True)),
+            proj_bias=bool(c.get("mamba_proj_bias") or False),
+            dt_limit=time_step_limit(c.get("time_step_limit", (0.0, math.inf))),
+        )
+        attn = [s for s in self.specs if isinstance(s, AttentionSpec)]
+        self.head_dim = attn[0].head_dim if attn else 0
+        self._rope_config(c)
+
+    def _rope_config(self, c: Mapping[str, Any]) -> None:
+        params = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+        partial = float(params.pop("partial_rotary_factor", _PARTIAL_ROTARY))
+        rope_view = {
+            "rope_parameters": params,
+            "rope_theta": c.get("rope_theta"),
+            "max_position_embeddings": c.get("max_position_embeddings"),
+            "original_max_position_embeddings": c.get("original_max_position_embeddings"),
+        }
+        self.rope = rope_settings(rope_view, _ARCH)
+        self.rotary_dim = int(self.head_dim * partial)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: _Settings, idx: int) -> None:
+        super().__init__()
+        name = f"model.layers.{idx}"
+        spec = s.specs[idx]
+        self.input_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
+        self.pre_ff_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
+        self.feed_forward = GatedMLP(s.hidden, s.intermediate, s.act, bias=s.mlp_bias)
+        if isinstance(spec, StateSpec):
+            check_state_spec(s.mamba, spec, name, _ARCH)
+            self.mamba = Mamba2Mixer(s.mamba, name)
+            self.self_attn = None
+        elif isinstance(spec, AttentionSpec):
+            self.self_attn = PagedSelfAttention(
+                name, s.hidden, s.num_heads, spec, bias=s.attn_bias, rotary_dim=s.rotary_dim
+            )
+            self.mamba = None
+        else:
+            raise ValueError(f"{_ARCH}: {name} has an unexpected cache spec {spec!r}")
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.mamba(h, batch) if self.mamba is not None else self.self_attn(h, batch, cos_sin)
+        x = x + h
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, s: _Settings) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(len(s.specs)))
+        self.final_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq, self.rope_scale = inverse_frequencies(s.rope, max(s.rotary_dim, 2))
+
+
+class BambaForCausalLM(nn.Module):
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.settings = s = _Settings(config)
+        self.model = _Backbone(s)
+        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        embed = self.model.embed_tokens
+        x = embed(batch.input_ids.to(embed.weight.device))
+        rot = None
+        if self.settings.rotary_dim:
+            positions = batch.positions.to(x.device)
+            rot = cos_sin(self.model.inv_freq, positions, self.model.rope_scale, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, batch, rot)
+        return self.model.final_layernorm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing weights
+        raise (KeyError / ValueError), naming the tensor."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for key, tensor in weights:
+            if any(part in key for part in _IGNORED):
+                continue
+            if key == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to the embedding
+            copy_weight(params, key, tensor, _ARCH, key)
+            loaded.add(key)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise KeyError(f"{_ARCH}: weights missing from the checkpoint: {missing[:8]}")

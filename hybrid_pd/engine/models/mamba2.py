@@ -1,0 +1,224 @@
+"""The Mamba2 mixer on the paged pool, shared by the Mamba2 hybrids (Granite-4.0-H, Bamba,
+Nemotron-H).
+
+Per sequence, with the per-layer state [conv_state [conv_dim, K-1], ssm [H, P, N]]:
+  in_proj -> (z, xBC, dt); xBC goes through a depthwise causal conv (the conv state supplies
+  the K-1 previous inputs) and the activation and is split into x [H, P], B and C [G, N] (head
+  h uses group h // (H / G)); dt = clamp(softplus(dt + dt_bias), time-step limit);
+  A = -exp(A_log); h_t = exp(dt A) h_{t-1} + dt x_t B_t^T, y_t = h_t C_t + D x_t; then
+  y * silu(z) goes through a per-group RMSNorm (norm after the gate) and out_proj. Several new
+  tokens use the chunked SSD form with chunks of `chunk` tokens aligned to absolute positions,
+  so a prefill split across steps uses the same chunk boundaries as one pass; one new token
+  uses the recurrence. The time-step limit is applied in both forms (transformers' torch
+  decode path skips it; it matters only where softplus(dt + dt_bias) leaves the limit).
+
+The SSM math runs in float32; the state page keeps its own dtype (Nemotron-H's float32
+``mamba_ssm_cache_dtype`` included), the conv state the model's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
+from hybrid_pd.engine.models.common import activation
+from hybrid_pd.engine.paged import read_state, write_state
+
+
+def as_float(value: Any) -> float:
+    """A JSON float, also as transformers writes non-finite ones ({"__float__": "Infinity"})."""
+    if isinstance(value, dict):
+        value = value.get("__float__", value)
+    return float(value)
+
+
+def time_step_limit(value: Any) -> tuple[float, float]:
+    """A config's ``time_step_limit`` pair; None means no limit."""
+    if value is None:
+        return (0.0, math.inf)
+    low, high = (as_float(v) for v in value)
+    return (low, high)
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    """Sizes and switches of one Mamba2 mixer; the inner size is heads * head_dim."""
+
+    hidden: int
+    heads: int
+    head_dim: int
+    groups: int
+    state: int
+    conv_kernel: int
+    chunk: int
+    eps: float
+    act: str = "silu"
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_limit: tuple[float, float] = (0.0, math.inf)
+
+    def __post_init__(self) -> None:
+        if self.heads % self.groups:
+            raise ValueError(f"Mamba2: {self.heads} heads do not split into {self.groups} groups")
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.groups * self.state
+
+
+def _ssd_chunked(x, dt, a_coef, b, c, chunk: int, h0: torch.Tensor, offset: int):
+    """Chunked SSD scan of one sequence (float32).
+
+    x [L, H, P], dt [L, H], a_coef [H] (negative), b/c [L, H, N], h0 [H, P, N]. The first token
+    sits at `offset` within its chunk. Returns y [L, H, P] (no D term) and the final state.
+    """
+    length, heads, hd = x.shape
+    tail = (-(offset + length)) % chunk
+    nc = (offset + length + tail) // chunk
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        # zero rows have dt = 0: no decay and no input, so padding leaves the scan unchanged
+        padded = F.pad(t, (0, 0) * (t.dim() - 1) + (offset, tail))
+        return padded.reshape(nc, chunk, *t.shape[1:])
+
+    xdt = chunks(x * dt[..., None])  # [nc, Q, H, P]
+    log_a = chunks(dt * a_coef)  # [nc, Q, H]
+    bq, cq = chunks(b), chunks(c)  # [nc, Q, H, N]
+
+    dev = x.device
+    # seg[c, l, s, h] = sum of log_a over s < k <= l, built by a masked cumulative sum
+    after = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril(-1)  # [k, s]: k > s
+    seg = (log_a[:, :, None, :] * after[None, :, :, None]).cumsum(dim=1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril()  # [l, s]
+    decay = torch.exp(seg.masked_fill(~causal[None, :, :, None], -math.inf))
+
+    # within a chunk: attention-like mixing with the decay as mask
+    weights = torch.einsum("clhn,cshn->clsh", cq, bq) * decay
+    y = torch.einsum("clsh,cshp->clhp", weights, xdt)
+
+    # what each chunk adds to the state by its end, starting from zero
+    to_end = decay[:, -1]  # [nc, Q(s), H]: decay from s to the chunk's last position
+    added = torch.einsum("cshn,csh,cshp->chpn", bq, to_end, xdt)
+    whole = torch.exp(log_a.sum(dim=1))  # [nc, H]: decay over a whole chunk
+
+    starts = []
+    state = h0
+    for i in range(nc):
+        starts.append(state)
+        state = state * whole[i][:, None, None] + added[i]
+    start = torch.stack(starts)  # [nc, H, P, N]
+
+    # contribution of the state each chunk starts from
+    from_start = torch.exp(log_a.cumsum(dim=1))  # [nc, Q, H]
+    y = y + torch.einsum("clhn,chpn,clh->clhp", cq, start, from_start)
+    y = y.reshape(nc * chunk, heads, hd)[offset : offset + length]
+    return y, state
+
+
+def _ssd_step(x, dt, a_coef, b, c, h0):
+    """One recurrent step: x [H, P], dt [H], b/c [H, N], h0 [H, P, N] -> y [H, P], state."""
+    decay = torch.exp(dt * a_coef)[:, None, None]
+    state = h0 * decay + (x * dt[:, None])[:, :, None] * b[:, None, :]
+    y = torch.einsum("hpn,hn->hp", state, c)
+    return y, state
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of y * silu(z), normalised over groups of `group` channels."""
+
+    def __init__(self, dim: int, group: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group = group
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = y.float() * F.silu(z.float())
+        g = h.unflatten(-1, (-1, self.group))
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * g.flatten(-2).to(y.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """Checkpoint names: in_proj, conv1d, dt_bias, A_log, D, norm.weight, out_proj."""
+
+    def __init__(self, d: Mamba2Dims, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.heads, self.head_dim = d.heads, d.head_dim
+        self.groups, self.state = d.groups, d.state
+        self.inner = d.inner
+        self.chunk = d.chunk
+        self.dt_limit = d.dt_limit
+        self.conv_dim = d.conv_dim
+        self.in_proj = nn.Linear(
+            d.hidden, self.inner + self.conv_dim + self.heads, bias=d.proj_bias
+        )
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, d.conv_kernel, groups=self.conv_dim, bias=d.conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.heads))
+        self.A_log = nn.Parameter(torch.zeros(self.heads))
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm = GatedRMSNorm(self.inner, self.inner // self.groups, d.eps)
+        self.out_proj = nn.Linear(self.inner, d.hidden, bias=d.proj_bias)
+        self.act = activation(d.act)
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        z, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        dt = F.softplus((dt + self.dt_bias).float())
+        dt = dt.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
+        a_coef = -torch.exp(self.A_log.float())
+        y = torch.empty(h.shape[0], self.inner, device=h.device, dtype=torch.float32)
+        for seq in batch.seqs:
+            sl = slice(seq.start, seq.end)
+            y[sl] = self._sequence(batch, seq, xbc[sl], dt[sl], a_coef)
+        return self.out_proj(self.norm(y, z).to(h.dtype))
+
+    def _sequence(self, batch, seq: SeqInfo, xbc, dt, a_coef) -> torch.Tensor:
+        conv_state, ssm_state = read_state(self.name, batch, seq)
+        # depthwise causal conv over [K-1 previous inputs | new inputs]
+        window = torch.cat([conv_state.to(xbc.dtype), xbc.t()], dim=1)  # [C, K-1+L]
+        new_conv = window[:, window.shape[1] - conv_state.shape[1] :]
+        conv = F.conv1d(window[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        xbc = self.act(conv[0].t())  # [L, C]
+
+        length = xbc.shape[0]
+        x, b, c = xbc.float().split(
+            [self.inner, self.groups * self.state, self.groups * self.state], dim=-1
+        )
+        x = x.view(length, self.heads, self.head_dim)
+        per = self.heads // self.groups
+        b = b.view(length, self.groups, self.state).repeat_interleave(per, dim=1)
+        c = c.view(length, self.groups, self.state).repeat_interleave(per, dim=1)
+        h0 = ssm_state.float()
+        if length == 1:
+            y, h1 = _ssd_step(x[0], dt[0], a_coef, b[0], c[0], h0)
+            y = y[None]
+        else:
+            offset = seq.num_computed % self.chunk
+            y, h1 = _ssd_chunked(x, dt, a_coef, b, c, self.chunk, h0, offset)
+        y = y + x * self.D.float()[:, None]
+        write_state(self.name, batch, seq, [new_conv.to(conv_state.dtype), h1.to(ssm_state.dtype)])
+        return y.reshape(length, self.inner)
+
+
+def check_state_spec(d: Mamba2Dims, spec: object, layer: str, arch: str) -> None:
+    """Raise ValueError unless `spec` (the layer's cache spec) is the state page of `d`."""
+    want = ((d.conv_dim, d.conv_kernel - 1), (d.heads, d.head_dim, d.state))
+    shapes = getattr(spec, "shapes", None)
+    if shapes is None or tuple(tuple(s) for s in shapes) != want:
+        raise ValueError(
+            f"{arch}: {layer} is a Mamba2 layer of state shapes {want}, but its cache spec "
+            f"is {spec!r}"
+        )
