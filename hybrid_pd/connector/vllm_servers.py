@@ -49,6 +49,19 @@ def connector_config(role: str, extra: dict) -> dict:
     }
 
 
+def parse_metrics(text: str, prefixes: tuple[str, ...]) -> dict[str, float]:
+    """Prometheus text: samples whose names start with `prefixes`, summed over labels."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(prefixes):
+            name = line.split("{")[0].split(" ")[0]
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return out
+
+
 class Server:
     def __init__(
         self,
@@ -148,12 +161,7 @@ class Server:
         self, prefixes: tuple[str, ...] = ("hybrid_pd_kv_", "vllm:kv_cache_usage_perc")
     ) -> dict[str, float]:
         """Prometheus samples whose names start with `prefixes`, summed over labels."""
-        out: dict[str, float] = {}
-        for line in self.client.get("/metrics").text.splitlines():
-            if line.startswith(prefixes):
-                name = line.split("{")[0].split(" ")[0]
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        return out
+        return parse_metrics(self.client.get("/metrics").text, prefixes)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

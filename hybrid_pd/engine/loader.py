@@ -15,7 +15,7 @@ from hybrid_pd.kvcache.hf_configs import load_config
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -44,7 +44,7 @@ def load_model(
     cls = model_class(config)
     text = config.get("text_config") or config
     name = dtype or text.get("dtype") or text.get("torch_dtype") or config.get("torch_dtype")
-    torch_dtype = _DTYPES.get(str(name or "float32").removeprefix("torch."), torch.float32)
+    torch_dtype = DTYPES.get(str(name or "float32").removeprefix("torch."), torch.float32)
     device = torch.device(device) if device is not None else torch.get_default_device()
     if device.type == "cpu" and torch_dtype is torch.float16:
         torch_dtype = torch.float32  # fp16 matmuls are slow or missing on CPU

@@ -7,9 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-#: Weight dtypes the loader knows (config.json's `dtype` / `torch_dtype`).
-KNOWN_DTYPES = ("float32", "bfloat16", "float16")
-
 
 class PreflightError(ValueError):
     pass
@@ -66,13 +63,15 @@ def _check_architecture(config: dict) -> None:
 
 
 def _check_dtype(config: dict) -> None:
+    from hybrid_pd.engine.loader import DTYPES  # the weight dtypes the loader knows
+
     text = config.get("text_config") or {}
     for source in (text, config):
         name = source.get("dtype") or source.get("torch_dtype")
         if name is not None:
-            if str(name).removeprefix("torch.") not in KNOWN_DTYPES:
+            if str(name).removeprefix("torch.") not in DTYPES:
                 raise PreflightError(
-                    f"config.json: weight dtype {name!r} is not one of {', '.join(KNOWN_DTYPES)}"
+                    f"config.json: weight dtype {name!r} is not one of {', '.join(DTYPES)}"
                 )
             return
 

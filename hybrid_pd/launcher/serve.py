@@ -506,25 +506,23 @@ def _vllm_slots(config: ServeConfig, model_path: str) -> dict[tuple[str, int], d
         text = cfg.get("text_config") or {}
         dtype = str(text.get("dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     cpus = sorted(os.sched_getaffinity(0))
-    n = config.prefill + config.decode
-    share = max(1, len(cpus) // n)
+    order = [("prefill", i) for i in range(config.prefill)]
+    order += [("decode", i) for i in range(config.decode)]
+    share = len(cpus) // len(order)  # 0: fewer CPUs than servers, so none is bound
     common = {
         "vllm_python": config.resolved_vllm_python(),
         "dtype": dtype.removeprefix("torch."),
         "secret": config.secret,
     }
-    slots: dict[tuple[str, int], dict] = {}
     ports = [free_port() for _ in range(config.prefill)]
     peers = tuple(f"127.0.0.1:{p}" for p in ports)
-    k = 0
-    for role, count in (("prefill", config.prefill), ("decode", config.decode)):
-        for i in range(count):
-            mine = cpus[(k * share) % len(cpus) :][:share] if len(cpus) >= n else []
-            k += 1
-            slot = {**common, "cpus": ",".join(map(str, mine)) or "nobind"}
-            if role == "prefill":
-                slot["control_port"] = ports[i]
-            else:
-                slot["peers"] = peers
-            slots[(role, i)] = slot
+    slots: dict[tuple[str, int], dict] = {}
+    for k, (role, i) in enumerate(order):
+        mine = cpus[k * share : (k + 1) * share]
+        slot = {**common, "cpus": ",".join(map(str, mine)) or "nobind"}
+        if role == "prefill":
+            slot["control_port"] = ports[i]
+        else:
+            slot["peers"] = peers
+        slots[(role, i)] = slot
     return slots

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -212,15 +211,12 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
 
 
 class Tokenizing:
-    """Threads that tokenize and render prompts, started up front: a huge prompt keeps
-    one busy for seconds, while the event loop goes on answering everyone else."""
+    """Threads of their own that parse bodies, tokenize and render prompts: a large body
+    keeps one busy while the event loop goes on answering everyone else, and the default
+    executor stays free for the worker pool's Stats calls."""
 
     def __init__(self, threads: int = 2) -> None:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="proxy-tokenize")
-        ready = threading.Barrier(threads + 1)
-        for _ in range(threads):
-            self._pool.submit(ready.wait)
-        ready.wait()
 
     async def run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

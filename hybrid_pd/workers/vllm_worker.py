@@ -18,6 +18,7 @@ Logprobs are not relayed yet: such requests get INVALID_ARGUMENT (a 400 at the p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import uuid
@@ -31,6 +32,7 @@ from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.api.wire import card_to_pb, sampling_from_pb
 from hybrid_pd.connector.control import AioServer
+from hybrid_pd.connector.vllm_servers import parse_metrics
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 
@@ -194,7 +196,7 @@ class _Servicer(pb_grpc.WorkerServicer):
             text = (await self.http.get("/metrics", timeout=2.0)).text
         except httpx.HTTPError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"vLLM server {self.w.url}: {e}")
-        values = _metrics(text)
+        values = parse_metrics(text, ("vllm:",))
         total = 1000  # vLLM reports a usage fraction, not blocks: per mille of its KV cache
         used = round(total * values.get("vllm:kv_cache_usage_perc", 0.0))
         return pb.StatsReply(
@@ -245,19 +247,16 @@ class _Servicer(pb_grpc.WorkerServicer):
         return (await self._served_model(context))["id"]
 
     # -- helpers ----------------------------------------------------------------------------
-    def _admitted(self, context):
-        servicer = self
-
-        class _Slot:
-            async def __aenter__(self):
-                if servicer.inflight >= servicer.w.max_queued:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "worker queue full")
-                servicer.inflight += 1
-
-            async def __aexit__(self, *exc):
-                servicer.inflight -= 1
-
-        return _Slot()
+    @contextlib.asynccontextmanager
+    async def _admitted(self, context):
+        """One of `max_queued` relay slots (RESOURCE_EXHAUSTED when none is free)."""
+        if self.inflight >= self.w.max_queued:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "worker queue full")
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
 
     async def _post(self, context, body: dict) -> dict:
         try:
@@ -320,18 +319,6 @@ def _vllm_params(kv: KVTransferParams) -> dict:
         "remote_request_id": kv.request_id,
         PARAMS_KEY: kv.to_dict(),
     }
-
-
-def _metrics(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:"):
-            name = line.split("{")[0].split(" ")[0]
-            try:
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
-    return out
 
 
 def _card(model: str, max_model_len: int) -> ModelCard:

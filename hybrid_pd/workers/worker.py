@@ -125,7 +125,7 @@ class Worker:
             path=str(path.resolve()),
             architecture=(hf_config.get("architectures") or ["?"])[0],
             max_model_len=self.engine.max_model_len,
-            vocab_size=_vocab_size(hf_config),
+            vocab_size=self.engine.vocab_size,
             eos_token_ids=tuple(sorted(self.engine.eos_token_ids)),
             identity=identity,
         )
@@ -215,8 +215,3 @@ def _model_identity(hf_config: dict, model) -> str:
     digest = hashlib.sha256(head).hexdigest()[:16]
     n = sum(p.numel() for p in params)
     return json.dumps({"architecture": arch, "parameters": n, "weights": digest}, sort_keys=True)
-
-
-def _vocab_size(hf_config: dict) -> int | None:
-    vocab = (hf_config.get("text_config") or {}).get("vocab_size") or hf_config.get("vocab_size")
-    return int(vocab) if vocab else None
