@@ -13,15 +13,27 @@ into the HTTP requests vLLM's own disaggregation examples make:
 
 so the proxy's routing, backpressure, retries and stream migration serve vLLM pools as they
 serve our own engine. It imports no vLLM (the server runs under whichever Python has it).
-Logprobs are not relayed yet: such requests get INVALID_ARGUMENT (a 400 at the proxy).
+
+Logprobs: vLLM's raw log-probabilities (its default `logprobs_mode`, the same distribution
+our engine scores), tokens named by id (`return_tokens_as_token_ids`). vLLM does not stream
+prompt logprobs, so a Generate that asks for them is one non-streamed call answered in one
+chunk.
+
+Abort(request id): a relayed call still running is cancelled (its HTTP request closes and
+vLLM aborts the request); a prefill this service handed over has its lease dropped at once
+through the connector's KVControl Abort. Without the control-plane secret only the caller
+that shows the transfer token may drop a lease.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 
 import grpc
@@ -29,10 +41,11 @@ import httpx
 
 from hybrid_pd.api.card import ModelCard
 from hybrid_pd.api.params import KVTransferParams
-from hybrid_pd.api.sampling import SamplingParams
-from hybrid_pd.api.wire import card_to_pb, sampling_from_pb
-from hybrid_pd.connector.control import AioServer
+from hybrid_pd.api.sampling import SamplingParams, TokenLogprob
+from hybrid_pd.api.wire import card_to_pb, logprob_to_pb, sampling_from_pb
+from hybrid_pd.connector.control import AioServer, call_metadata
 from hybrid_pd.connector.vllm_servers import parse_metrics
+from hybrid_pd.proto import kv_control_pb2, kv_control_pb2_grpc
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 
@@ -42,6 +55,10 @@ logger = logging.getLogger(__name__)
 PARAMS_KEY = "hybrid_pd"
 #: Requests this service relays at once before answering RESOURCE_EXHAUSTED.
 DEFAULT_MAX_QUEUED = 256
+#: Handed-over prefills remembered for Abort (oldest forgotten first; their leases expire).
+_REMEMBERED = 4096
+#: How long an Abort waits for the vLLM connector's KVControl service.
+_ABORT_TIMEOUT_S = 5.0
 
 
 class VllmWorker:
@@ -64,6 +81,7 @@ class VllmWorker:
         self.url = url
         self.role = role
         self.model = model
+        self.secret = secret
         self.max_queued = max_queued
         self.engine_id = f"vllm-{role}-{uuid.uuid4().hex[:10]}"
         self.server = AioServer(f"{host}:{port}", secret)
@@ -86,6 +104,9 @@ class _Servicer(pb_grpc.WorkerServicer):
         self._card: pb.ModelCard | None = None
         self._served: dict | None = None  # the server's /v1/models entry
         self.inflight = 0
+        self._calls: dict[str, set[asyncio.Task]] = {}  # request id -> running relays
+        self._kept: OrderedDict[str, KVTransferParams] = OrderedDict()  # handed over
+        self._control: dict[str, kv_control_pb2_grpc.KVControlStub] = {}
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -98,11 +119,12 @@ class _Servicer(pb_grpc.WorkerServicer):
         if self.w.role != "prefill":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a prefill worker")
         params = await _sampling(request.sampling, context)
-        body = _body(await self._model_id(context), request.prompt_ids, params, max_tokens=1)
+        prompt = list(request.prompt_ids)
+        body = _body(await self._model_id(context), prompt, params, max_tokens=1)
         hand_over = params.max_tokens > 1  # else the first token is the whole answer
         if hand_over:
             body["kv_transfer_params"] = {"do_remote_decode": True}
-        async with self._admitted(context):
+        async with self._admitted(context), self._call(request.request_id):
             reply = await self._post(context, body)
         choice = reply["choices"][0]
         token_ids = choice.get("token_ids") or []
@@ -111,14 +133,29 @@ class _Servicer(pb_grpc.WorkerServicer):
         reason = choice.get("finish_reason") or "length"
         kv = (reply.get("kv_transfer_params") or {}).get(PARAMS_KEY)
         out = pb.PrefillReply(first_token=token_ids[0])
+        try:
+            if params.logprobs is not None:
+                out.first_logprob.CopyFrom(
+                    logprob_to_pb(_output_logprobs(choice, params.logprobs)[0])
+                )
+            if params.prompt_logprobs is not None:
+                scored = _prompt_logprobs(choice, prompt, params.prompt_logprobs)
+                out.prompt_logprobs.extend(logprob_to_pb(lp) for lp in scored)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"vLLM's logprobs: {e!r}")
         if not hand_over or reason != "length" or kv is None:
             out.finished = True
             out.finish_reason = reason
             return out
         try:
-            out.kv_transfer_params.CopyFrom(KVTransferParams.from_dict(kv).to_pb())
+            params_out = KVTransferParams.from_dict(kv)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INTERNAL, f"vLLM's connector sent {e}")
+        out.kv_transfer_params.CopyFrom(params_out.to_pb())
+        if request.request_id:
+            self._kept[request.request_id] = params_out
+            while len(self._kept) > _REMEMBERED:
+                self._kept.popitem(last=False)
         return out
 
     # -- generate ---------------------------------------------------------------------------
@@ -151,12 +188,38 @@ class _Servicer(pb_grpc.WorkerServicer):
             if left < 1:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "nothing left to generate")
             body = _body(await self._model_id(context), prompt + resumed, params, left)
-        body.update(stream=True)
-        async with self._admitted(context):
+        known = [None] * len(resumed)  # tokens computed elsewhere carry no logprobs here
+        async with self._admitted(context), self._call(request.request_id):
+            if params.prompt_logprobs is not None:  # vLLM streams none: one whole answer
+                yield await self._whole(context, body, prompt, params, resumed, known)
+                return
+            body.update(stream=True)
             if resumed:
-                yield pb.GenerateChunk(token_ids=resumed)
+                chunk = pb.GenerateChunk(token_ids=resumed)
+                if params.logprobs is not None:
+                    chunk.logprobs.extend(logprob_to_pb(lp) for lp in known)
+                yield chunk
             async for chunk in self._stream(context, body):
                 yield chunk
+
+    async def _whole(self, context, body, prompt, params, resumed, known) -> pb.GenerateChunk:
+        reply = await self._post(context, body)
+        choice = reply["choices"][0]
+        reason = choice.get("finish_reason") or "length"
+        out = pb.GenerateChunk(
+            token_ids=resumed + list(choice.get("token_ids") or []),
+            finished=True,
+            finish_reason=reason,
+        )
+        try:
+            scored = _prompt_logprobs(choice, body["prompt"], params.prompt_logprobs)
+            out.prompt_logprobs.extend(logprob_to_pb(lp) for lp in scored[: len(prompt)])
+            if params.logprobs is not None:
+                lps = known + _output_logprobs(choice, params.logprobs)
+                out.logprobs.extend(logprob_to_pb(lp) for lp in lps)
+        except (KeyError, IndexError, TypeError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"vLLM's logprobs: {e!r}")
+        return out
 
     async def _stream(self, context, body: dict):
         try:
@@ -175,11 +238,15 @@ class _Servicer(pb_grpc.WorkerServicer):
                         return
                     for choice in data.get("choices", []):
                         reason = choice.get("finish_reason")
-                        yield pb.GenerateChunk(
+                        chunk = pb.GenerateChunk(
                             token_ids=choice.get("token_ids") or [],
                             finished=reason is not None,
                             finish_reason=reason or "",
                         )
+                        if body.get("logprobs") is not None and chunk.token_ids:
+                            lps = _output_logprobs(choice, body["logprobs"])
+                            chunk.logprobs.extend(logprob_to_pb(lp) for lp in lps)
+                        yield chunk
                         if reason is not None:
                             return
         except httpx.TransportError as e:
@@ -187,9 +254,49 @@ class _Servicer(pb_grpc.WorkerServicer):
 
     # -- the rest ---------------------------------------------------------------------------
     async def Abort(self, request, context):
-        # A relayed request ends when its caller cancels the call (the HTTP request closes
-        # and vLLM aborts it); kept prefills expire by their lease on the vLLM server.
-        return pb.AbortReply(ok=False)
+        """Cancel the relays running for the id and drop the lease of a prefill handed over
+        under it. Without the control-plane secret (the server's interceptor checks it
+        where there is one) only a caller showing the transfer token drops a lease."""
+        rid = request.request_id
+        kv = self._kept.get(rid)
+        if self.w.secret is None:
+            token = request.transfer_token.encode()
+            if (
+                kv is None
+                or not token
+                or not hmac.compare_digest(kv.transfer_token.encode(), token)
+            ):
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    "Abort needs the control-plane secret or the request's transfer token "
+                    "(cancel your own call to stop it)",
+                )
+        found = False
+        for task in self._calls.get(rid, ()):
+            task.cancel()
+            found = True
+        if kv is not None:
+            del self._kept[rid]
+            found = await self._drop_lease(kv) or found
+        return pb.AbortReply(ok=found)
+
+    async def _drop_lease(self, kv: KVTransferParams) -> bool:
+        stub = self._control.get(kv.control_address)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(kv.control_address)
+            stub = self._control[kv.control_address] = kv_control_pb2_grpc.KVControlStub(channel)
+        try:
+            reply = await stub.Abort(
+                kv_control_pb2.AbortRequest(
+                    request_id=kv.request_id, transfer_token=kv.transfer_token
+                ),
+                timeout=_ABORT_TIMEOUT_S,
+                metadata=call_metadata(self.w.secret),
+            )
+        except grpc.RpcError as e:
+            logger.warning("abort of %s at %s failed: %s", kv.request_id, kv.control_address, e)
+            return False
+        return reply.ok
 
     async def Stats(self, request, context):
         try:
@@ -248,6 +355,22 @@ class _Servicer(pb_grpc.WorkerServicer):
 
     # -- helpers ----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
+    async def _call(self, request_id: str):
+        """Register the running relay under `request_id` for Abort."""
+        task = asyncio.current_task()
+        if not request_id or task is None:
+            yield
+            return
+        self._calls.setdefault(request_id, set()).add(task)
+        try:
+            yield
+        finally:
+            tasks = self._calls.get(request_id, set())
+            tasks.discard(task)
+            if not tasks:
+                self._calls.pop(request_id, None)
+
+    @contextlib.asynccontextmanager
     async def _admitted(self, context):
         """One of `max_queued` relay slots (RESOURCE_EXHAUSTED when none is free)."""
         if self.inflight >= self.w.max_queued:
@@ -278,14 +401,9 @@ class _Servicer(pb_grpc.WorkerServicer):
 
 async def _sampling(msg: pb.Sampling, context) -> SamplingParams:
     try:
-        params = sampling_from_pb(msg)
+        return sampling_from_pb(msg)
     except ValueError as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    if params.logprobs is not None or params.prompt_logprobs is not None:
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, "logprobs are not relayed from vLLM pools yet"
-        )
-    return params
 
 
 def _body(model: str, prompt, params: SamplingParams, max_tokens: int) -> dict:
@@ -307,7 +425,50 @@ def _body(model: str, prompt, params: SamplingParams, max_tokens: int) -> dict:
         body["stop"] = list(params.stop)
     if params.stop_token_ids:
         body["stop_token_ids"] = list(params.stop_token_ids)
+    if params.logprobs is not None:
+        body["logprobs"] = params.logprobs
+    if params.prompt_logprobs is not None:
+        body["prompt_logprobs"] = params.prompt_logprobs
+    if params.logprobs is not None or params.prompt_logprobs is not None:
+        body["return_tokens_as_token_ids"] = True
     return body
+
+
+def _token_id(name: str) -> int:
+    """vLLM's name of a token under `return_tokens_as_token_ids`: "token_id:<id>"."""
+    prefix, _, number = name.partition(":")
+    if prefix != "token_id":
+        raise ValueError(f"token {name!r} is not named by id")
+    return int(number)
+
+
+def _output_logprobs(choice: dict, k: int) -> list[TokenLogprob]:
+    """The choice's generated tokens' logprobs (OpenAI completions form, tokens by id), each
+    with its `k` best alternatives, best first (vLLM adds the chosen token to them when it
+    is not among the best; our engine does not)."""
+    lp = choice["logprobs"]
+    out = []
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+        ranked = sorted(((_token_id(t), v) for t, v in (top or {}).items()), key=lambda p: -p[1])
+        out.append(TokenLogprob(float(chosen), tuple(ranked[:k])))
+    return out
+
+
+def _prompt_logprobs(choice: dict, prompt: list[int], k: int) -> list[TokenLogprob | None]:
+    """vLLM's prompt logprobs: per position a dict id -> {logprob, rank} holding the prompt
+    token and the k best; the first position has none."""
+    out: list[TokenLogprob | None] = []
+    for pos, entry in enumerate(choice["prompt_logprobs"]):
+        if entry is None:
+            out.append(None)
+            continue
+        chosen = entry[str(prompt[pos])]["logprob"]
+        best = sorted(
+            ((int(t), v["logprob"], v["rank"]) for t, v in entry.items() if v["rank"] <= k),
+            key=lambda x: x[2],
+        )
+        out.append(TokenLogprob(float(chosen), tuple((t, float(v)) for t, v, _ in best)))
+    return out
 
 
 def _vllm_params(kv: KVTransferParams) -> dict:

@@ -53,9 +53,12 @@ def _body(prompt, max_tokens: int, params=None) -> dict:
 
 
 class PD:
-    def __init__(self, prefill: Server, decode: Server, zeros: Server, dtype: str) -> None:
+    def __init__(
+        self, prefill: Server, decode: Server, zeros: Server, dtype: str, secret: str
+    ) -> None:
         self.prefill, self.decode = prefill, decode
         self.dtype = dtype
+        self.secret = secret  # the connectors' control-plane secret
         self.zeros = zeros  # a prefill server that sends zeros in place of the KV
         self.model = prefill.client.get("/v1/models").json()["data"][0]["id"]
 
@@ -127,7 +130,7 @@ def pd(request, tmp_path_factory):
     try:
         for server in servers:
             server.wait_ready()
-        yield PD(prefill, decode, zeros, dtype)
+        yield PD(prefill, decode, zeros, dtype, secret.read_text())
     finally:
         for server in servers:
             server.stop()
@@ -260,8 +263,8 @@ def test_hybrid_pd_proxy_serves_a_vllm_pool(pd):
     from hybrid_pd.workers.vllm_worker import VllmWorker
 
     shims = [
-        VllmWorker(pd.prefill.url, "prefill", pd.model),
-        VllmWorker(pd.decode.url, "decode", pd.model),
+        VllmWorker(pd.prefill.url, "prefill", pd.model, secret=pd.secret),
+        VllmWorker(pd.decode.url, "decode", pd.model, secret=pd.secret),
     ]
     config = ProxyConfig(
         port=0,
@@ -269,6 +272,7 @@ def test_hybrid_pd_proxy_serves_a_vllm_pool(pd):
         prefill_addresses=(shims[0].address,),
         decode_addresses=(shims[1].address,),
         min_prefill_tokens=1,
+        secret=pd.secret,
     )
     prompts = _prompts(4, seed=11)
     refs = [pd.reference(p) for p in prompts]
@@ -286,12 +290,82 @@ def test_hybrid_pd_proxy_serves_a_vllm_pool(pd):
                 lines = [ln for ln in s.iter_lines() if ln.startswith("data: {")]
             streamed = [t for ln in lines for t in json.loads(ln[6:])["choices"][0]["token_ids"]]
             assert streamed == refs[-1]
-            refused = c.post("/v1/completions", json={**body, "logprobs": 1})
-            assert refused.status_code == 400 and "logprobs" in refused.text
+            _logprobs_equal_one_instance(pd, c, prompts[1])
             metrics = c.get("/metrics").text
     finally:
         for shim in shims:
             shim.close()
-    assert 'hybrid_pd_proxy_routes_total{route="disaggregated"} 5.0' in metrics
-    after = _settle(pd.decode, "hybrid_pd_kv_pulls_total", before + 5)
-    assert after["hybrid_pd_kv_pulls_total"] - before == 5  # every decode pulled its KV
+    assert 'hybrid_pd_proxy_routes_total{route="disaggregated"} 8.0' in metrics
+    after = _settle(pd.decode, "hybrid_pd_kv_pulls_total", before + 8)
+    assert after["hybrid_pd_kv_pulls_total"] - before == 8  # every decode pulled its KV
+
+
+def _flat(logprobs: dict) -> tuple[list[float], list[float]]:
+    """An OpenAI completions logprobs object: the chosen tokens' values, and every
+    position's alternatives' values best first, in one list."""
+    tops = [sorted(t.values(), reverse=True) for t in logprobs["top_logprobs"]]
+    return logprobs["token_logprobs"], [v for top in tops for v in top]
+
+
+def _logprobs_equal_one_instance(pd, client, prompt) -> None:
+    """Logprobs through the proxy and a P/D hand-off (the first token's from prefill, the
+    rest from decode; whole and streamed), and prompt logprobs (echo), equal the single
+    instance's: same tokens, same values."""
+    body = {**_body(prompt, 6), "logprobs": 3}
+    ref = pd.decode.complete(
+        {**body, "model": pd.model, "prompt_logprobs": 3, "return_tokens_as_token_ids": True}
+    )["choices"][0]
+    want, want_top = _flat(ref["logprobs"])
+    got = client.post("/v1/completions", json={**body, "model": "m"}).json()["choices"][0]
+    assert got["token_ids"] == ref["token_ids"]
+    values, top = _flat(got["logprobs"])
+    assert values == pytest.approx(want) and top == pytest.approx(want_top)
+    with client.stream("POST", "/v1/completions", json={**body, "model": "m", "stream": True}) as s:
+        chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    streamed = [v for ch in chunks for v in ch["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(want)
+    echo = {**body, "model": "m", "echo": True, "max_tokens": 2}
+    scored = client.post("/v1/completions", json=echo).json()["choices"][0]["logprobs"]
+    entries = ref["prompt_logprobs"]
+    want_prompt = [None] + [entries[i][str(prompt[i])]["logprob"] for i in range(1, len(prompt))]
+    assert scored["token_logprobs"][: len(prompt)] == pytest.approx(want_prompt)
+    assert scored["token_logprobs"][len(prompt) :] == pytest.approx(want[:2])
+
+
+def test_abort_by_id_drops_a_kept_prefill(pd):
+    """Abort(request id) at the prefill server's VllmWorker drops the lease the vLLM
+    connector keeps for a prefill it relayed: the blocks are free at once, not at expiry."""
+    import grpc
+
+    from hybrid_pd.connector.control import call_metadata
+    from hybrid_pd.proto import worker_pb2 as wpb
+    from hybrid_pd.proto import worker_pb2_grpc as wgrpc
+    from hybrid_pd.workers.vllm_worker import VllmWorker
+
+    shim = VllmWorker(pd.prefill.url, "prefill", pd.model, secret=pd.secret)
+    before = _settle(pd.prefill, "vllm:kv_cache_usage_perc", 0.0)
+    try:
+        with grpc.insecure_channel(shim.address) as channel:
+            stub = wgrpc.WorkerStub(channel)
+            meta = call_metadata(pd.secret)
+            reply = stub.Prefill(
+                wpb.PrefillRequest(
+                    request_id="abort-me",
+                    prompt_ids=_prompts(4, seed=12)[3],
+                    sampling=wpb.Sampling(max_tokens=8, top_p=1.0),
+                ),
+                metadata=meta,
+                timeout=120,
+            )
+            assert reply.HasField("kv_transfer_params") and not reply.finished
+            assert pd.prefill.metrics()["vllm:kv_cache_usage_perc"] > 0  # kept
+            assert stub.Abort(wpb.AbortRequest(request_id="abort-me"), metadata=meta).ok
+            assert not stub.Abort(wpb.AbortRequest(request_id="abort-me"), metadata=meta).ok
+    finally:
+        shim.close()
+    after = _settle(pd.prefill, "vllm:kv_cache_usage_perc", 0.0, timeout=10.0)
+    assert after["vllm:kv_cache_usage_perc"] == 0.0
+    aborted = after.get("hybrid_pd_kv_aborted_total", 0) - before.get(
+        "hybrid_pd_kv_aborted_total", 0
+    )
+    assert aborted == 1
