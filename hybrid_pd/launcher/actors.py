@@ -70,7 +70,9 @@ class VllmWorkerActor:
         peers: tuple[str, ...] = (),
         cpus: str = "nobind",
         host: str = "127.0.0.1",
+        ucx_tls: str | None = None,
     ) -> None:
+        import os
         import tempfile
         from pathlib import Path
 
@@ -81,9 +83,18 @@ class VllmWorkerActor:
         name_log_prefix(name)
         configure_logging(log_level)
         log = Path(tempfile.mkdtemp(prefix=f"hybrid-pd-{name}-")) / "vllm.log"
+        if host == "auto":  # serve on this node's address (multi-node clusters)
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        if cpus == "node":  # every CPU this node gives the actor
+            cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         extra: dict = {"control_host": host, "control_port": control_port}
         if peers:
             extra["peers"] = list(peers)
+        env = {"HYBRID_PD_SECRET": secret} if secret else {}
+        if ucx_tls:
+            env["UCX_TLS"] = ucx_tls
         self.server = Server(
             Path(model),
             log,
@@ -91,7 +102,7 @@ class VllmWorkerActor:
             role="kv_producer" if role == "prefill" else "kv_consumer",
             extra=extra,
             cpus=cpus,
-            env={"HYBRID_PD_SECRET": secret} if secret else None,
+            env=env,
             python=vllm_python,
         )
         try:
@@ -107,6 +118,10 @@ class VllmWorkerActor:
 
     def address(self) -> str:
         return self.worker.address
+
+    def control(self) -> str:
+        """The KVControl address of a prefill server's connector ("" for decode)."""
+        return self.control_address
 
     def health(self) -> dict:
         """What the launcher logs and checks: the server must answer."""

@@ -301,7 +301,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--engine",
         choices=("hybrid-pd", "vllm"),
         help="the workers' engine: hybrid-pd (default) or vllm (vLLM OpenAI servers running "
-        "hybrid-pd's connector; embedded Ray only)",
+        "hybrid-pd's connector)",
     )
     p.add_argument(
         "--vllm-python",

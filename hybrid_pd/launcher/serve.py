@@ -91,8 +91,6 @@ class Deployment:
         # Each worker resolves `tiny` on its own node (built there if missing); a checkpoint
         # path must exist at the same place on every node.
         self._worker_model = config.model if config.model == TINY_NAME else model_path
-        if config.engine == "vllm" and config.address is not None:
-            raise ValueError("engine vllm runs on embedded Ray only (no --address) for now")
         self._init_ray()
         self._gpu = 1 if (config.device or "").startswith("cuda") else 0
         vllm = config.engine == "vllm"
@@ -110,6 +108,8 @@ class Deployment:
                         self.actors[role].append(self._spawn(role, i))
                 up = self._await_workers(timeout=300, interrupt=interrupt, roles=stage)
                 self.addresses.update(up)
+                if vllm and stage == ("prefill",):
+                    self._tell_decode_its_peers()
             self._start_proxy(model_path)
         except BaseException:
             self._kill_actors()
@@ -151,6 +151,17 @@ class Deployment:
         else:
             how = f"joined the cluster at {where} ({len(ray.nodes())} nodes)"
         logger.info("Ray: %s, its logs in %s/logs", how, info.get("session_dir", "?"))
+
+    def _tell_decode_its_peers(self) -> None:
+        """vLLM decode servers dial the prefill servers their connector config names: the
+        control addresses the prefill actors serve (on their nodes) become every decode
+        slot's peers, kept for re-created actors too."""
+        import ray
+
+        peers = tuple(ray.get([a.control.remote() for a in self.actors["prefill"]], timeout=60))
+        for (role, _), args in self._vllm_args.items():
+            if role == "decode":
+                args["peers"] = peers
 
     def _spawn(self, role: str, index: int):
         if self._vllm_args:
@@ -491,9 +502,13 @@ def wait_ready(url: str, timeout: float = 120.0, abort: threading.Event | None =
 
 def _vllm_slots(config: ServeConfig, model_path: str) -> dict[tuple[str, int], dict]:
     """Per worker slot, the VllmWorkerActor arguments besides role and model: the vLLM
-    Python and dtype, the secret, CPUs of its own (vLLM CPU servers bind their compute
-    threads: servers sharing cores slow each other down by orders of magnitude), and fixed
-    control ports (a restarted prefill actor comes back where its decode peers look)."""
+    Python and dtype, the secret, the host to serve on, CPUs of its own (vLLM CPU servers
+    bind their compute threads: servers sharing cores slow each other down by orders of
+    magnitude), and fixed control ports (a restarted prefill actor comes back where its
+    decode peers look). Decode slots learn their peers once the prefill actors are up.
+
+    Embedded Ray: this machine's CPUs are split among the servers. A cluster: each server
+    binds the CPUs of the node it lands on (one vLLM server per node, see docs/vllm.md)."""
     import json
     import os
     from pathlib import Path
@@ -505,24 +520,23 @@ def _vllm_slots(config: ServeConfig, model_path: str) -> dict[tuple[str, int], d
         cfg = json.loads((Path(model_path) / "config.json").read_text())
         text = cfg.get("text_config") or {}
         dtype = str(text.get("dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-    cpus = sorted(os.sched_getaffinity(0))
-    order = [("prefill", i) for i in range(config.prefill)]
-    order += [("decode", i) for i in range(config.decode)]
-    share = len(cpus) // len(order)  # 0: fewer CPUs than servers, so none is bound
+    embedded = config.address is None
     common = {
         "vllm_python": config.resolved_vllm_python(),
         "dtype": dtype.removeprefix("torch."),
         "secret": config.secret,
+        "host": config.worker_host or ("127.0.0.1" if embedded else "auto"),
+        "ucx_tls": config.ucx_tls,
     }
-    ports = [free_port() for _ in range(config.prefill)]
-    peers = tuple(f"127.0.0.1:{p}" for p in ports)
+    order = [("prefill", i) for i in range(config.prefill)]
+    order += [("decode", i) for i in range(config.decode)]
+    cpus = sorted(os.sched_getaffinity(0))
+    share = len(cpus) // len(order)  # 0: fewer CPUs than servers, so none is bound
     slots: dict[tuple[str, int], dict] = {}
     for k, (role, i) in enumerate(order):
-        mine = cpus[k * share : (k + 1) * share]
-        slot = {**common, "cpus": ",".join(map(str, mine)) or "nobind"}
+        mine = ",".join(map(str, cpus[k * share : (k + 1) * share])) or "nobind"
+        slot = {**common, "cpus": mine if embedded else "node"}
         if role == "prefill":
-            slot["control_port"] = ports[i]
-        else:
-            slot["peers"] = peers
+            slot["control_port"] = free_port()
         slots[(role, i)] = slot
     return slots
