@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,9 +55,10 @@ def _body(prompt, max_tokens: int, params=None) -> dict:
 
 class PD:
     def __init__(
-        self, prefill: Server, decode: Server, zeros: Server, dtype: str, secret: str
+        self, prefill: Server, decode: Server, zeros: Server, dtype: str, secret: str, model: Path
     ) -> None:
         self.prefill, self.decode = prefill, decode
+        self.model_path = model
         self.dtype = dtype
         self.secret = secret  # the connectors' control-plane secret
         self.zeros = zeros  # a prefill server that sends zeros in place of the KV
@@ -130,7 +132,7 @@ def pd(request, tmp_path_factory):
     try:
         for server in servers:
             server.wait_ready()
-        yield PD(prefill, decode, zeros, dtype, secret.read_text())
+        yield PD(prefill, decode, zeros, dtype, secret.read_text(), model)
     finally:
         for server in servers:
             server.stop()
@@ -369,3 +371,63 @@ def test_abort_by_id_drops_a_kept_prefill(pd):
         "hybrid_pd_kv_aborted_total", 0
     )
     assert aborted == 1
+
+
+def _block_size(server: Server) -> int:
+    """The attention block size vLLM settled on (raised to match state pages in hybrids)."""
+    line = next(
+        ln for ln in server.client.get("/metrics").text.splitlines()
+        if ln.startswith("vllm:cache_config_info")
+    )  # fmt: skip
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    return int(labels.get("effective_attention_block_size") or labels["block_size"])
+
+
+def _minimum_bytes(model: Path, dtype: str, prompt_len: int, block_size: int) -> int:
+    """What decode cannot do without, from the checkpoint's config alone: every full
+    attention layer's blocks of the prompt, a sliding layer's blocks holding the window
+    the next token attends to (positions N - window + 1 .. N - 1), one state per Mamba2 or
+    Gated DeltaNet layer (conv inputs in the serving dtype; the SSM state in float32, as
+    vLLM keeps it for these checkpoints)."""
+    cfg = json.loads((model / "config.json").read_text())
+    cfg = cfg.get("text_config") or cfg
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    n = prompt_len
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_block = block_size * 2 * cfg["num_key_value_heads"] * head_dim * size
+    total = 0
+    for kind in cfg["layer_types"]:
+        if kind in ("full_attention", "attention"):
+            total += -(-n // block_size) * per_block
+        elif kind == "sliding_attention":
+            first = max(0, n - cfg["sliding_window"] + 1) // block_size
+            total += ((n - 1) // block_size - first + 1) * per_block
+        elif cfg["model_type"] == "granitemoehybrid":  # Mamba2 ("mamba" or linear_attention)
+            heads, d_head, state = cfg["mamba_n_heads"], cfg["mamba_d_head"], cfg["mamba_d_state"]
+            conv_dim = heads * d_head + 2 * cfg["mamba_n_groups"] * state
+            total += conv_dim * (cfg["mamba_d_conv"] - 1) * size + heads * d_head * state * 4
+        elif kind == "linear_attention":  # Gated DeltaNet
+            dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+            kh, vh = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+            conv_dim = 2 * kh * dk + vh * dv
+            total += conv_dim * (cfg["linear_conv_kernel_dim"] - 1) * size + vh * dk * dv * 4
+        else:
+            raise AssertionError(f"no byte rule for layer kind {kind!r}")
+    return total
+
+
+def test_bytes_pulled_are_the_minimum(pd):
+    """Per hand-off, the bytes decode pulls equal the minimum computed from the model's
+    config: nothing decode does not read (blocks out of the window, speculative scratch
+    states, padding) crosses."""
+    block = _block_size(pd.decode)
+    for prompt in _prompts(5, seed=13):
+        want = _minimum_bytes(pd.model_path, pd.dtype, len(prompt), block)
+        before = pd.decode.metrics()
+        pulls = before.get("hybrid_pd_kv_pulls_total", 0.0)
+        pd.run(prompt, max_tokens=2)
+        after = _settle(pd.decode, "hybrid_pd_kv_pulls_total", pulls + 1)
+        got = after["hybrid_pd_kv_bytes_pulled_total"] - before.get(
+            "hybrid_pd_kv_bytes_pulled_total", 0.0
+        )
+        assert got == want, f"prompt of {len(prompt)} tokens (block size {block})"
