@@ -9,7 +9,8 @@ already holds positions 0 .. num_computed - 1 (what its layers still need of the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,6 +41,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     seqs: list[SeqInfo]
     kv: KVPool
+    # What layers derive from the batch alone (index tensors per cache group), built by the
+    # first layer that needs it and shared by the rest of the step.
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

@@ -2,15 +2,21 @@
 
 Attention: write the step's K/V into their slots, gather the positions the step's queries
 may read, attend with a causal (+ window / chunk) mask. State layers: read the request's
-state page(s), update, write back. Loops over sequences; projections stay batched.
+state page(s), update, write back. Sequences that add one token each are updated together
+(`split_state_seqs`); the others loop over sequences. Projections stay batched.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
+
+# Fewest one-token sequences worth a batched state update (below it they join the loop).
+MIN_STATE_ROWS = 1
 
 
 def paged_attention(
@@ -155,3 +161,59 @@ def write_state(
             view[table[0]].copy_(s)
     else:
         kv.write_state(layer_name, table, states)
+
+
+@dataclass(frozen=True)
+class StateRows:
+    """The sequences of a batch that add one token each, seen by one state cache group."""
+
+    tokens: torch.Tensor  # [S] index of each one's token in the flattened batch
+    blocks: torch.Tensor  # [S, blocks_per_state] each one's state block ids
+    fresh: torch.Tensor  # [S] bool: no state yet (num_computed == 0), starts from zeros
+    any_fresh: bool
+
+
+def split_state_seqs(
+    layer_name: str, batch: ForwardBatch
+) -> tuple[StateRows | None, list[SeqInfo]]:
+    """(the one-token sequences as `StateRows`, or None when too few; the sequences left
+    for the per-sequence path). When the second is empty the rows are the whole batch in
+    order: token i is sequence i's. Built once per step and cache group, shared by its layers.
+    """
+    group = batch.kv.config.group_of(layer_name)
+    key = ("state_rows", group.group_id)
+    found = batch.memo.get(key)
+    if found is None:
+        found = batch.memo[key] = _split(batch, group.group_id)
+    return found
+
+
+def _split(batch: ForwardBatch, group_id: int) -> tuple[StateRows | None, list[SeqInfo]]:
+    singles = [s for s in batch.seqs if s.num_new == 1]
+    if len(singles) < MIN_STATE_ROWS:
+        return None, batch.seqs
+    dev = batch.input_ids.device
+    fresh = [s.num_computed == 0 for s in singles]
+    rows = StateRows(
+        tokens=torch.tensor([s.start for s in singles], device=dev),
+        blocks=torch.tensor([s.block_ids[group_id] for s in singles], device=dev),
+        fresh=torch.tensor(fresh, device=dev),
+        any_fresh=any(fresh),
+    )
+    return rows, [s for s in batch.seqs if s.num_new != 1]
+
+
+def read_state_rows(layer_name: str, batch: ForwardBatch, rows: StateRows) -> list[torch.Tensor]:
+    """[S, *shape] copies of the rows' state tensors for this layer (zeros for fresh rows)."""
+    states = batch.kv.gather_states(layer_name, rows.blocks)
+    if rows.any_fresh:
+        for s in states:
+            s.masked_fill_(rows.fresh.view(-1, *(1,) * (s.dim() - 1)), 0)
+    return states
+
+
+def write_state_rows(
+    layer_name: str, batch: ForwardBatch, rows: StateRows, states: list[torch.Tensor]
+) -> None:
+    """Store [S, *shape] states (any float dtype; converted to the pool's) for the rows."""
+    batch.kv.scatter_states(layer_name, rows.blocks, states)

@@ -46,6 +46,12 @@ def num_blocks_for_memory(config: KVCacheConfig, kv_memory_bytes: int) -> int:
     return n
 
 
+def _words(raw: torch.Tensor) -> torch.Tensor:
+    """Rows of bytes (slots start and end on SLOT_ALIGN boundaries) seen as int64 words:
+    writes into indexed rows go word by word instead of byte by byte."""
+    return raw.view(torch.int64)
+
+
 class KVPool:
     """Owns the KV memory of one worker."""
 
@@ -143,7 +149,53 @@ class KVPool:
             data = t.to(torch_dtype(dtype)).contiguous().reshape(-1).view(torch.uint8)
             flat[off : off + data.numel()] = data
         idx = torch.tensor(block_ids, device=raw.device)
-        raw.index_copy_(0, idx, flat.view(span, raw.shape[1]))
+        _words(raw)[idx] = _words(flat.view(span, raw.shape[1]))
+
+    def gather_states(self, layer_name: str, block_ids: torch.Tensor) -> list[torch.Tensor]:
+        """The states of S requests at once: `block_ids` [S, blocks_per_state] (each row one
+        request's state blocks, in order) -> one [S, *shape] copy per state tensor."""
+        raw, span = self._slot(layer_name)
+        if block_ids.dim() != 2 or block_ids.shape[1] != span:
+            raise ValueError(f"{layer_name} needs [S, {span}] state block ids")
+        if span == 1:
+            return [view[block_ids[:, 0]] for view in self.state_views(layer_name)]
+        spec = self.config.group_of(layer_name).spec
+        assert isinstance(spec, StateSpec)
+        # one request's state is the concatenation of its blocks' slots (see read_state)
+        # index_select of whole rows copies far faster than indexing single bytes
+        flat = raw.index_select(0, block_ids.flatten()).view(len(block_ids), -1)
+        offsets, _ = state_tensor_offsets(spec)
+        out = []
+        for off, shape, dtype in zip(offsets, spec.shapes, spec.dtypes, strict=True):
+            n = math.prod(shape) * dtype_bytes(dtype)
+            out.append(flat[:, off : off + n].view(torch_dtype(dtype)).unflatten(1, shape))
+        return out
+
+    def scatter_states(
+        self, layer_name: str, block_ids: torch.Tensor, tensors: list[torch.Tensor]
+    ) -> None:
+        """Write S requests' states (as `gather_states` returns them) back to their blocks."""
+        raw, span = self._slot(layer_name)
+        spec = self.config.group_of(layer_name).spec
+        assert isinstance(spec, StateSpec)
+        rows = block_ids.shape[0]
+        if block_ids.dim() != 2 or block_ids.shape[1] != span:
+            raise ValueError(f"{layer_name} needs [S, {span}] state block ids")
+        for t, shape in zip(tensors, spec.shapes, strict=True):
+            if tuple(t.shape) != (rows, *shape):
+                raise ValueError(
+                    f"{layer_name}: states of shape {(rows, *shape)} expected, got {tuple(t.shape)}"
+                )
+        if span == 1:
+            for view, t in zip(self.state_views(layer_name), tensors, strict=True):
+                view[block_ids[:, 0]] = t.to(view.dtype)
+            return
+        offsets, _ = state_tensor_offsets(spec)
+        flat = torch.zeros(rows, span * raw.shape[1], dtype=torch.uint8, device=raw.device)
+        for off, t, dtype in zip(offsets, tensors, spec.dtypes, strict=True):
+            data = t.to(torch_dtype(dtype)).contiguous().view(rows, -1).view(torch.uint8)
+            flat[:, off : off + data.shape[1]] = data
+        _words(raw)[block_ids.flatten()] = _words(flat.view(rows * span, raw.shape[1]))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole pages src -> dst (state snapshots taken from the prefix cache)."""

@@ -187,3 +187,29 @@ def test_num_blocks_for_memory() -> None:
     assert num_blocks_for_memory(config(), 10 * PAGE + 100) == 10
     with pytest.raises(ValueError, match="fewer than 2 pages"):
         num_blocks_for_memory(config(), 2 * PAGE - 1)
+
+
+@pytest.mark.parametrize("layer", ["m1", "g0"])  # state in one block / spread over 3 blocks
+def test_gather_and_scatter_states_match_per_request_access(pool: KVPool, layer: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    span = pool.config.group_of(layer).blocks_per_state
+    tables = [[6, 2, 4], [1, 3, 7]] if span == 3 else [[5], [2], [6]]
+    spec = pool.config.group_of(layer).spec
+    dtypes = (torch.float16, torch.float32) if layer == "m1" else (torch.bfloat16, torch.float32)
+    pairs = list(zip(spec.shapes, dtypes, strict=True))
+    states = [[torch.randn(shape, generator=gen).to(dt) for shape, dt in pairs] for _ in tables]
+    ids = torch.tensor(tables)
+    pool.scatter_states(layer, ids, [torch.stack(s) for s in zip(*states, strict=True)])
+    for table, want in zip(tables, states, strict=True):
+        got = pool.read_state(layer, table)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    # and back: the gathered rows are the per-request states, as copies
+    gathered = pool.gather_states(layer, ids)
+    for i, want in enumerate(states):
+        assert all(torch.equal(g[i], w) for g, w in zip(gathered, want, strict=True))
+    gathered[1].fill_(0)
+    assert torch.equal(pool.read_state(layer, tables[0])[1], states[0][1])
+    with pytest.raises(ValueError, match="state block ids"):
+        pool.gather_states(layer, ids[:, :1] if span == 3 else ids.repeat(1, 2))
+    untouched = [b for b in range(8) if b not in ids.flatten().tolist()]
+    assert not pool.buffer[untouched].count_nonzero()

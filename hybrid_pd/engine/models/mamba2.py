@@ -9,8 +9,10 @@ Per sequence, with the per-layer state [conv_state [conv_dim, K-1], ssm [H, P, N
   y * silu(z) goes through a per-group RMSNorm (norm after the gate) and out_proj. Several new
   tokens use the chunked SSD form with chunks of `chunk` tokens aligned to absolute positions,
   so a prefill split across steps uses the same chunk boundaries as one pass; one new token
-  uses the recurrence. The time-step limit is applied in both forms (transformers' torch
-  decode path skips it; it matters only where softplus(dt + dt_bias) leaves the limit).
+  uses the recurrence, and a batch's one-token sequences take it together on stacked states
+  (one gather from the pool, one scatter back). The time-step limit is applied in both forms
+  (transformers' torch decode path skips it; it matters only where softplus(dt + dt_bias)
+  leaves the limit).
 
 The SSM math runs in float32; the state page keeps its own dtype (Nemotron-H's float32
 ``mamba_ssm_cache_dtype`` included), the conv state the model's.
@@ -28,7 +30,14 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
 from hybrid_pd.engine.models.common import activation
-from hybrid_pd.engine.paged import read_state, write_state
+from hybrid_pd.engine.paged import (
+    StateRows,
+    read_state,
+    read_state_rows,
+    split_state_seqs,
+    write_state,
+    write_state_rows,
+)
 
 
 def as_float(value: Any) -> float:
@@ -126,10 +135,11 @@ def _ssd_chunked(x, dt, a_coef, b, c, chunk: int, h0: torch.Tensor, offset: int)
 
 
 def _ssd_step(x, dt, a_coef, b, c, h0):
-    """One recurrent step: x [H, P], dt [H], b/c [H, N], h0 [H, P, N] -> y [H, P], state."""
-    decay = torch.exp(dt * a_coef)[:, None, None]
-    state = h0 * decay + (x * dt[:, None])[:, :, None] * b[:, None, :]
-    y = torch.einsum("hpn,hn->hp", state, c)
+    """One recurrent step, batched over leading dims: x [..., H, P], dt [..., H], b/c
+    [..., H, N], h0 [..., H, P, N] -> y [..., H, P] (no D term), state."""
+    decay = torch.exp(dt * a_coef)[..., None, None]
+    state = (h0 * decay).addcmul_((x * dt[..., None])[..., None], b[..., None, :])
+    y = (state @ c[..., None])[..., 0]
     return y, state
 
 
@@ -179,11 +189,43 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus((dt + self.dt_bias).float())
         dt = dt.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
         a_coef = -torch.exp(self.A_log.float())
-        y = torch.empty(h.shape[0], self.inner, device=h.device, dtype=torch.float32)
-        for seq in batch.seqs:
-            sl = slice(seq.start, seq.end)
-            y[sl] = self._sequence(batch, seq, xbc[sl], dt[sl], a_coef)
+        rows, rest = split_state_seqs(self.name, batch)
+        if rows is not None and not rest:  # every sequence adds one token, in row order
+            y = self._step_rows(batch, rows, xbc, dt, a_coef)
+        else:
+            y = torch.empty(h.shape[0], self.inner, device=h.device, dtype=torch.float32)
+            if rows is not None:
+                t = rows.tokens
+                y[t] = self._step_rows(batch, rows, xbc[t], dt[t], a_coef)
+            for seq in rest:
+                sl = slice(seq.start, seq.end)
+                y[sl] = self._sequence(batch, seq, xbc[sl], dt[sl], a_coef)
         return self.out_proj(self.norm(y, z).to(h.dtype))
+
+    def _step_rows(self, batch, rows: StateRows, xbc, dt, a_coef) -> torch.Tensor:
+        """One token for each of S sequences (xbc [S, C], dt [S, H]): conv and SSD steps on
+        stacked states, gathered from and scattered back to the pool once."""
+        conv_state, ssm_state = read_state_rows(self.name, batch, rows)
+        weight = self.conv1d.weight[:, 0]  # [C, K]
+        window = torch.cat([conv_state.to(xbc.dtype), xbc[:, :, None]], dim=2)  # [S, C, K]
+        conv = (window * weight).sum(-1)
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias
+        x, b, c = self._split_heads(self.act(conv))
+        y, h1 = _ssd_step(x, dt, a_coef, b, c, ssm_state.float())
+        y = y + x * self.D.float()[:, None]
+        write_state_rows(self.name, batch, rows, [window[:, :, 1:], h1])
+        return y.flatten(1)
+
+    def _split_heads(self, xbc: torch.Tensor):
+        """Activated conv output [L, C] -> x [L, H, P], b and c [L, H, N] (float32)."""
+        length = xbc.shape[0]
+        gn = self.groups * self.state
+        x, b, c = xbc.float().split([self.inner, gn, gn], dim=-1)
+        per = self.heads // self.groups
+        b = b.view(length, self.groups, self.state).repeat_interleave(per, dim=1)
+        c = c.view(length, self.groups, self.state).repeat_interleave(per, dim=1)
+        return x.view(length, self.heads, self.head_dim), b, c
 
     def _sequence(self, batch, seq: SeqInfo, xbc, dt, a_coef) -> torch.Tensor:
         conv_state, ssm_state = read_state(self.name, batch, seq)
@@ -191,20 +233,12 @@ class Mamba2Mixer(nn.Module):
         window = torch.cat([conv_state.to(xbc.dtype), xbc.t()], dim=1)  # [C, K-1+L]
         new_conv = window[:, window.shape[1] - conv_state.shape[1] :]
         conv = F.conv1d(window[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        xbc = self.act(conv[0].t())  # [L, C]
-
-        length = xbc.shape[0]
-        x, b, c = xbc.float().split(
-            [self.inner, self.groups * self.state, self.groups * self.state], dim=-1
-        )
-        x = x.view(length, self.heads, self.head_dim)
-        per = self.heads // self.groups
-        b = b.view(length, self.groups, self.state).repeat_interleave(per, dim=1)
-        c = c.view(length, self.groups, self.state).repeat_interleave(per, dim=1)
+        x, b, c = self._split_heads(self.act(conv[0].t()))
+        length = x.shape[0]
         h0 = ssm_state.float()
         if length == 1:
-            y, h1 = _ssd_step(x[0], dt[0], a_coef, b[0], c[0], h0)
-            y = y[None]
+            y, h1 = _ssd_step(x, dt, a_coef, b, c, h0)
+            h1 = h1[0]
         else:
             offset = seq.num_computed % self.chunk
             y, h1 = _ssd_chunked(x, dt, a_coef, b, c, self.chunk, h0, offset)

@@ -29,7 +29,15 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, Rotary, activation
-from hybrid_pd.engine.paged import paged_attention, read_state, write_state
+from hybrid_pd.engine.paged import (
+    StateRows,
+    paged_attention,
+    read_state,
+    read_state_rows,
+    split_state_seqs,
+    write_state,
+    write_state_rows,
+)
 
 __all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "tiny_qwen3_5_config"]
 
@@ -164,47 +172,36 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(x).view(t, self.v_heads, self.dv)
         beta = self.in_proj_b(x).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        core = x.new_empty(t, self.v_heads, self.dv)
-        if self._batched_decode(batch):
-            core = self._decode_batched(qkv, g, beta, batch).to(core.dtype)
-            y = self.norm(core, z).reshape(t, self.value_dim)
-            return self.out_proj(y)
-        for seq in batch.seqs:
-            conv_state, ssm_state = read_state(self.layer_name, batch, seq)
-            sl = slice(seq.start, seq.end)
-            mixed, new_conv = self._conv(qkv[sl], conv_state)
-            o, new_ssm = self._delta(mixed, g[sl], beta[sl], ssm_state.float())
-            core[sl] = o.to(core.dtype)
-            write_state(
-                self.layer_name,
-                batch,
-                seq,
-                [new_conv.to(conv_state.dtype), new_ssm.to(ssm_state.dtype)],
-            )
+        rows, rest = split_state_seqs(self.layer_name, batch)
+        if rows is not None and not rest:  # every sequence adds one token, in row order
+            core = self._step_rows(batch, rows, qkv, g, beta).to(x.dtype)
+        else:
+            core = x.new_empty(t, self.v_heads, self.dv)
+            if rows is not None:
+                r = rows.tokens
+                core[r] = self._step_rows(batch, rows, qkv[r], g[r], beta[r]).to(core.dtype)
+            for seq in rest:
+                conv_state, ssm_state = read_state(self.layer_name, batch, seq)
+                sl = slice(seq.start, seq.end)
+                mixed, new_conv = self._conv(qkv[sl], conv_state)
+                o, new_ssm = self._delta(mixed, g[sl], beta[sl], ssm_state.float())
+                core[sl] = o.to(core.dtype)
+                write_state(
+                    self.layer_name,
+                    batch,
+                    seq,
+                    [new_conv.to(conv_state.dtype), new_ssm.to(ssm_state.dtype)],
+                )
         y = self.norm(core, z).reshape(t, self.value_dim)
         return self.out_proj(y)
 
-    def _batched_decode(self, batch: ForwardBatch) -> bool:
-        """All sequences decode one token and states sit in place: one batched update."""
-        return (
-            len(batch.seqs) > 1
-            and batch.num_tokens == len(batch.seqs)
-            and batch.kv.config.group_of(self.layer_name).blocks_per_state == 1
-        )
-
-    def _decode_batched(self, qkv, g, beta, batch: ForwardBatch) -> torch.Tensor:
-        """One token for each of B sequences: conv and delta-rule steps on stacked states,
-        read from and written back to the pool with one gather and one scatter each."""
-        conv_view, ssm_view = batch.kv.state_views(self.layer_name)
-        idx = torch.tensor(
-            [batch.block_table(self.layer_name, s)[0] for s in batch.seqs], device=qkv.device
-        )
-        fresh = torch.tensor([s.num_computed == 0 for s in batch.seqs], device=qkv.device)
+    def _step_rows(self, batch: ForwardBatch, rows: StateRows, qkv, g, beta) -> torch.Tensor:
+        """One token for each of S sequences: conv and delta-rule steps on stacked states,
+        gathered from and scattered back to the pool once."""
+        conv, state = read_state_rows(self.layer_name, batch, rows)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        conv = conv_view[idx].to(weight.dtype).masked_fill(fresh[:, None, None], 0)
-        window = torch.cat([conv, qkv.to(weight.dtype)[:, :, None]], dim=2)  # [B, C, K]
-        mixed = self.act((window * weight).sum(-1)).float()  # [B, C]
-        state = ssm_view[idx].float().masked_fill(fresh[:, None, None, None], 0)
+        window = torch.cat([conv.to(weight.dtype), qkv.to(weight.dtype)[:, :, None]], dim=2)
+        mixed = self.act((window * weight).sum(-1)).float()  # [S, C]
         n = mixed.shape[0]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], -1)
         rep = self.v_heads // self.k_heads
@@ -212,12 +209,11 @@ class GatedDeltaNet(nn.Module):
         k = _l2norm(k.view(n, self.k_heads, self.dk)).repeat_interleave(rep, dim=1)
         q = q * self.dk**-0.5
         v = v.view(n, self.v_heads, self.dv)
-        state = state * g.exp()[:, :, None, None]
+        state = state.float() * g.exp()[:, :, None, None]
         delta = beta[:, :, None] * (v - torch.einsum("bhk,bhkv->bhv", k, state))
         state = state + k[..., None] * delta[:, :, None, :]
         out = torch.einsum("bhk,bhkv->bhv", q, state)
-        conv_view[idx] = window[:, :, 1:].to(conv_view.dtype)
-        ssm_view[idx] = state.to(ssm_view.dtype)
+        write_state_rows(self.layer_name, batch, rows, [window[:, :, 1:], state])
         return out
 
     def _conv(self, x: torch.Tensor, conv_state: torch.Tensor):
