@@ -85,7 +85,7 @@ class DecodeConnector:
             "failed": 0,
             "bytes": 0,
             "messages": 0,
-            "seconds": 0.0,  # pull time of the successful pulls, handshake to release
+            "seconds": 0.0,  # pull time of the successful pulls, handshake to arrival
             "last_error": "",
         }
         #: Called (from a pull thread) when a load ended: the engine loop's `wake`.
@@ -101,8 +101,10 @@ class DecodeConnector:
         self._pulls.submit(self._load, request_id, params, block_ids)
 
     def _load(self, request_id: str, params: KVTransferParams, block_ids) -> None:
+        release = None
         try:
-            st = self.pull(params, block_ids)
+            st = self.pull(params, block_ids, release=False)
+            release = params
             res = LoadResult(request_id, None, st.bytes, st.messages, st.seconds)
         except TransferFailed as e:
             res = LoadResult(request_id, str(e))
@@ -117,6 +119,11 @@ class DecodeConnector:
         with self._lock:
             self._finished.append(res)
         self.notify()
+        if release is not None:  # after the engine heard: not on the request's critical path
+            try:
+                self._release(self._peer(release.control_address), release)
+            except TransferFailed as e:  # the lease expires on its own
+                logger.warning("release of %s failed (%s)", release.request_id, e)
 
     def get_finished(self) -> list[LoadResult]:
         with self._lock:
@@ -189,9 +196,15 @@ class DecodeConnector:
         if peer is not None:
             peer.channel.close()
 
-    def pull(self, params: KVTransferParams, dst_block_ids: tuple[list[int], ...]) -> TransferStats:
+    def pull(
+        self,
+        params: KVTransferParams,
+        dst_block_ids: tuple[list[int], ...],
+        release: bool = True,
+    ) -> TransferStats:
         """Fill `dst_block_ids` (this worker's blocks, per group, null blocks included) with
-        the request's KV; then release it on the prefill worker. Raises TransferFailed."""
+        the request's KV; then (`release`) release it on the prefill worker. Raises
+        TransferFailed. The seconds reported run from the call to the bytes' arrival."""
         t0 = time.perf_counter()
         peer = self._peer(params.control_address)  # the handshake names a layout mismatch
         if params.fingerprint != self.layout.fingerprint:
@@ -232,8 +245,9 @@ class DecodeConnector:
             handle.cancel()
             self.stats["failed"] += 1
             raise
-        self._release(peer, params)
         stats = TransferStats(reply.bytes, reply.messages, time.perf_counter() - t0)
+        if release:
+            self._release(peer, params)
         self.stats["pulls"] += 1
         self.stats["bytes"] += stats.bytes
         self.stats["messages"] += stats.messages
