@@ -8,6 +8,9 @@ the bad field.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -16,6 +19,11 @@ from hybrid_pd.proto import worker_pb2 as pb
 #: Fields that must be non-empty strings.
 _STRINGS = ("request_id", "engine_id", "control_address", "fingerprint", "transfer_token")
 _INTS = ("prompt_len", "first_token")
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """Fingerprint of a prompt: decode refuses params made for another prompt."""
+    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -31,8 +39,8 @@ class KVTransferParams:
     control_address: str
     fingerprint: str
     transfer_token: str
-    #: A digest of the prompt the params were made for ("" when the maker sets none):
-    #: vLLM's connector refuses params whose digest is not its prompt's.
+    #: `prompt_digest` of the prompt the params were made for ("" when the maker sets
+    #: none): vLLM's connector refuses params whose digest is not its prompt's.
     prompt_digest: str = ""
 
     def to_dict(self) -> dict[str, Any]:

@@ -75,6 +75,7 @@ class DecodeConnector:
         self._metadata = call_metadata(secret)
         self.timeout_s = timeout_s
         self._peers: dict[str, _Peer] = {}
+        self._bare: dict[str, grpc.Channel] = {}  # control-only channels (see _stub)
         self._known: set[str] = set(peers)
         self._lock = threading.Lock()
         # Tags: a random per-connector base plus a counter, 2**16 messages per transfer.
@@ -178,17 +179,29 @@ class DecodeConnector:
         except grpc.RpcError as e:
             channel.close()
             raise TransferFailed(f"prefill worker {address} unreachable: {_rpc_error(e)}") from e
-        if not reply.ok:
+        diff = self.layout.difference(layout_from_pb(reply.layout))  # said from our side
+        if diff or not reply.ok:
             channel.close()
-            raise TransferFailed(f"prefill worker {address} refused the handshake: {reply.error}")
-        diff = self.layout.difference(layout_from_pb(reply.layout))
-        if diff:
-            channel.close()
-            raise TransferFailed(f"prefill worker {address}: {diff}")
+            raise TransferFailed(
+                f"prefill worker {address} refused the handshake: {diff or reply.error}"
+            )
         peer = _Peer(channel, stub, reply.ucx_address, reply.engine_id)
         with self._lock:
             self._peers.setdefault(address, peer)
         return peer
+
+    def _stub(self, address: str) -> pb_grpc.KVControlStub:
+        """A control stub for calls that move no KV (Abort), made without a handshake: a
+        peer whose layout differs may still be told to drop what it keeps for us."""
+        with self._lock:
+            peer = self._peers.get(address)
+            if peer is not None:
+                return peer.stub
+            if address not in self._known:
+                raise TransferFailed(f"{address} is not a known prefill worker of this one")
+            if address not in self._bare:
+                self._bare[address] = grpc.insecure_channel(address)
+            return pb_grpc.KVControlStub(self._bare[address])
 
     def forget_peer(self, address: str) -> None:
         with self._lock:
@@ -273,8 +286,7 @@ class DecodeConnector:
     def abort(self, params: KVTransferParams) -> None:
         """Tell the prefill worker to drop the request's KV now (best effort)."""
         try:
-            peer = self._peer(params.control_address)
-            peer.stub.Abort(
+            self._stub(params.control_address).Abort(
                 pb.AbortRequest(request_id=params.request_id, transfer_token=params.transfer_token),
                 timeout=self.timeout_s,
                 metadata=self._metadata,
@@ -309,10 +321,11 @@ class DecodeConnector:
         self._pulls.shutdown(wait=True, cancel_futures=True)
         self._control.shutdown(wait=False, cancel_futures=True)
         with self._lock:
-            peers = list(self._peers.values())
+            channels = [p.channel for p in self._peers.values()] + list(self._bare.values())
             self._peers.clear()
-        for p in peers:
-            p.channel.close()
+            self._bare.clear()
+        for channel in channels:
+            channel.close()
 
 
 def _rpc_error(e: grpc.RpcError) -> str:

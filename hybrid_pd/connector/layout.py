@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from hybrid_pd.kvcache.config import KVCacheConfig
 
+#: How the connector inside vLLM begins its layout's model name.
+VLLM_PREFIX = "vllm:"
+
 
 @dataclass(frozen=True)
 class GroupGeometry:
@@ -42,8 +45,30 @@ class KVLayout:
     def fingerprint(self) -> str:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:32]
 
+    @property
+    def engine(self) -> str:
+        """Whose cache this is: vLLM's (the connector inside vLLM names its model "vllm:...")
+        or hybrid-pd's own engine."""
+        return "vLLM" if self.model.startswith(VLLM_PREFIX) else "hybrid-pd"
+
+    def describe(self) -> str:
+        kinds = ", ".join(g.kind for g in self.groups)
+        where = (
+            "one cache tensor per layer, K and V apart"
+            if self.engine == "vLLM"
+            else f"one {self.page_size_bytes}-byte page per block holding a group's layers"
+        )
+        return f"{self.engine}: {where}; blocks of {self.block_size} tokens; groups {kinds}"
+
     def difference(self, other: KVLayout) -> str | None:
         """None when equal, else a message naming the first differing field."""
+        if self.engine != other.engine:
+            return (
+                f"KV layout mismatch: the peer runs {other.engine} and this worker "
+                f"{self.engine}, whose KV memory is laid out differently ({self.describe()} "
+                f"here; {other.describe()} on the peer): hand-overs between the two engines "
+                "are not supported"
+            )
         for name in ("model", "block_size", "page_size_bytes"):
             a, b = getattr(self, name), getattr(other, name)
             if a != b:

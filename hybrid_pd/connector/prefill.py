@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hybrid_pd.api.params import KVTransferParams
+from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.segments import PagedPlan, TransferPlan
@@ -136,6 +136,7 @@ class PrefillConnector:
             control_address=self.control_address,
             fingerprint=self.layout.fingerprint,
             transfer_token=token,
+            prompt_digest=prompt_digest(request.prompt_ids),
         )
         return True, params.to_dict()
 

@@ -32,13 +32,11 @@ arrives before the prefill worker has kept the request's blocks waits for them).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
 import secrets
 import threading
-from array import array
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,8 +58,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
-from hybrid_pd.api.params import KVTransferParams
-from hybrid_pd.connector.layout import GroupGeometry, KVLayout
+from hybrid_pd.api.params import KVTransferParams, prompt_digest
+from hybrid_pd.connector.layout import VLLM_PREFIX, GroupGeometry, KVLayout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,11 +73,8 @@ logger = logging.getLogger(__name__)
 #: Our fields inside vLLM's kv_transfer_params.
 PARAMS_KEY = "hybrid_pd"
 NULL_BLOCK = 0
-
-
-def prompt_digest(token_ids: Sequence[int]) -> str:
-    """Fingerprint of a prompt: decode refuses params made for another prompt."""
-    return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()[:32]
+#: How long the scheduler waits for a peer's layout to name a mismatch (once per peer).
+_HANDSHAKE_TIMEOUT_S = 2.0
 
 
 def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVLayout:
@@ -99,7 +94,7 @@ def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVLayo
             )
             for g in groups
         ),
-        model=f"vllm:{os.path.basename(str(model.model).rstrip('/'))}:"
+        model=f"{VLLM_PREFIX}{os.path.basename(str(model.model).rstrip('/'))}:"
         f"{','.join(model.hf_config.architectures or [])}",
     )
 
@@ -402,6 +397,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         # params are not planned into a load yet. Worker half: made at register_kv_caches.
         self._meta = HybridPDMetadata()
         self._pending: dict[str, KVTransferParams] = {}
+        self._differences: dict[tuple[str, str], str] = {}  # why a peer's layout differs
         self._worker: _WorkerHalf | None = None
 
     # == scheduler side =======================================================================
@@ -438,19 +434,56 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         prompt = request.prompt_token_ids
         if prompt is None or request.prompt_embeds is not None:
             return "prompt embeddings cannot take a remote prefill"
-        if len(prompt) != params.prompt_len or raw.get("prompt_digest") != prompt_digest(prompt):
+        if len(prompt) != params.prompt_len:
             return (
                 f"kv_transfer_params were made for another prompt ({params.prompt_len} "
                 f"tokens, this one has {len(prompt)})"
             )
+        if raw.get("prompt_digest") != prompt_digest(prompt):
+            return "kv_transfer_params were made for another prompt (its digest differs)"
         if params.fingerprint != self.layout.fingerprint:
-            return "the prefill server's KV layout differs from this server's"
+            return self._layout_difference(params)
         if request.max_tokens < 2:
             # The prefill already produced the only token; computing here is exact too.
             return "max_tokens < 2 leaves nothing to decode"
         if request.num_tokens >= self._vllm_config.model_config.max_model_len:
             return "the prompt fills max_model_len"
         return None
+
+    def _layout_difference(self, params: KVTransferParams) -> str:
+        """Why the prefill server's layout differs: its KVControl Handshake names the field
+        (asked once per peer and fingerprint, only of configured peers; the scheduler waits
+        for it at most `_HANDSHAKE_TIMEOUT_S`, on the first such request only)."""
+        key = (params.control_address, params.fingerprint)
+        known = self._differences.get(key)
+        if known is not None:
+            return known
+        reason = "the prefill server's KV layout differs from this server's"
+        if params.control_address in self.peers:
+            import grpc
+
+            from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
+            from hybrid_pd.proto import kv_control_pb2 as kpb
+            from hybrid_pd.proto import kv_control_pb2_grpc as kgrpc
+
+            channel = grpc.insecure_channel(params.control_address)
+            try:
+                ask = kpb.HandshakeRequest(
+                    engine_id=self.engine_id, layout=layout_to_pb(self.layout)
+                )
+                reply = kgrpc.KVControlStub(channel).Handshake(
+                    ask,
+                    timeout=_HANDSHAKE_TIMEOUT_S,
+                    metadata=call_metadata(self.secret),
+                )
+                reason = self.layout.difference(layout_from_pb(reply.layout)) or reason
+            except grpc.RpcError as e:
+                reason += f" (its layout could not be read: {e.code().name})"
+            finally:
+                channel.close()
+        if len(self._differences) < 64:
+            self._differences[key] = reason
+        return reason
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

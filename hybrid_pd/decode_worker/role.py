@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from hybrid_pd.api.params import KVTransferParams
+from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.connector.decode import DecodeConnector
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.engine.loop import EngineLoop
@@ -66,6 +66,8 @@ class DecodeRole:
                 f"kv_transfer_params.prompt_len is {kv.prompt_len} but the prompt "
                 f"has {len(prompt_ids)} tokens"
             )
+        if kv.prompt_digest and kv.prompt_digest != prompt_digest(prompt_ids):
+            raise ValueError("kv_transfer_params were made for another prompt (digest differs)")
         policy = policy or self.failure_policy
         if policy not in POLICIES:
             raise ValueError(f"failure_policy must be one of {POLICIES}")

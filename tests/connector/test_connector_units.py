@@ -100,6 +100,11 @@ def test_layout_difference_names_the_field():
     assert "spec" in a.difference(c)
     assert "model" in a.difference(KVLayout.of(plan_groups(model(), block_size=4), "other"))
     assert a.fingerprint != b.fingerprint
+    # A vLLM server's layout (the connector inside vLLM names its model "vllm:...").
+    v = KVLayout.of(plan_groups(model(), block_size=4), "vllm:ckpt:Gemma3ForCausalLM")
+    why = a.difference(v)
+    assert "the peer runs vLLM and this worker hybrid-pd" in why
+    assert "not supported" in why and "blocks of 4 tokens" in why
 
 
 class _Req:
