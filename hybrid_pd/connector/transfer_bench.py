@@ -6,6 +6,11 @@ keeps a synthetic request's blocks exactly as the engine would (prefill allocati
 out-of-window release) and this side pulls them through the real control and data planes.
 Next to each figure: raw ucxx bandwidth of one buffer of the same total size between the
 same two processes, and their ratio. No model weights are needed: only the layout is real.
+
+With `churn` > 0 both sides first run that many mixed requests through their own
+KVCacheManager (`kvcache.churn`: random lengths, random free order, prefix caching on as
+in the engine), in a pool twice the size a lone request needs, so the measured requests get
+the block ids a busy pool hands out. Without churn the pool is fresh and caching is off.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from hybrid_pd.connector.decode import DecodeConnector
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import PrefillConnector
 from hybrid_pd.connector.ucx_transport import UcxTransport, raw_bandwidth
+from hybrid_pd.kvcache.churn import churn as run_churn
 from hybrid_pd.kvcache.config import KVCacheConfig
 from hybrid_pd.kvcache.grouping import HMAOffError, plan_groups
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -53,11 +59,21 @@ def _blocks_for(config: KVCacheConfig, max_len: int) -> int:
     return config.blocks_per_request(max_len) + len(config.groups) * chunk_blocks + 8
 
 
-def _prefill_child(conn, model: str, max_len: int, ucx: dict) -> None:
+def _pool(config: KVCacheConfig, max_len: int, churn: int, seed: int, role: str):
+    """The side's manager and block count, churned first when `churn` > 0."""
+    need = _blocks_for(config, max_len)
+    n_blocks = 2 * need if churn else need
+    kv = KVCacheManager(config, n_blocks, enable_caching=churn > 0)
+    if churn:
+        run_churn(kv, churn, max_len, role=role, chunk=_CHUNK, keep_free=need, seed=seed)
+    return kv, n_blocks
+
+
+def _prefill_child(conn, model: str, max_len: int, ucx: dict, churn: int, seed: int) -> None:
     torch.set_num_threads(1)
     config, _ = _config(model, max_len)
-    n_blocks = _blocks_for(config, max_len)
-    kv = KVCacheManager(config, n_blocks, enable_caching=False)
+    kv, n_blocks = _pool(config, max_len, churn, seed, "prefill")
+    held_after_churn = n_blocks - 1 - kv.pool.num_free_blocks
     pool = torch.empty((n_blocks, config.page_size_bytes), dtype=torch.uint8)
     pool.view(-1)[::4096].fill_(7)  # touch the pages
     transport = UcxTransport(ucx_options=ucx)
@@ -103,7 +119,7 @@ def _prefill_child(conn, model: str, max_len: int, ucx: dict) -> None:
                     )
                 )
             elif cmd == "leaks":
-                conn.send(n_blocks - 1 - kv.pool.num_free_blocks)
+                conn.send(n_blocks - 1 - kv.pool.num_free_blocks - held_after_churn)
             else:
                 break
     finally:
@@ -116,16 +132,21 @@ def bench_transfer(
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768),
     repeats: int = 3,
     ucx_tls: str | None = None,
+    churn: int = 0,
+    seed: int = 0,
 ) -> dict[str, Any]:
+    """Bandwidth rows per length (see the module docstring). `messages_per_request` is the
+    mean over the repeats; `leaked_blocks` counts blocks the measured requests left held."""
     max_len = max(lengths)
     config, spec = _config(model, max_len)
     ucx = {"NET_DEVICES": "lo"}
     if ucx_tls:
         ucx["TLS"] = ucx_tls
-    n_blocks = _blocks_for(config, max_len)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_prefill_child, args=(child, model, max_len, ucx), daemon=True)
+    proc = ctx.Process(
+        target=_prefill_child, args=(child, model, max_len, ucx, churn, seed), daemon=True
+    )
     proc.start()
     transport = UcxTransport(ucx_options=ucx)
     transport.start()
@@ -133,7 +154,8 @@ def bench_transfer(
         if not parent.poll(_TIMEOUT):
             raise RuntimeError("prefill side did not start")
         _, peer = parent.recv()
-        kv = KVCacheManager(config, n_blocks, enable_caching=False)
+        kv, n_blocks = _pool(config, max_len, churn, seed + 1, "decode")
+        held_after_churn = n_blocks - 1 - kv.pool.num_free_blocks
         pool = torch.zeros((n_blocks, config.page_size_bytes), dtype=torch.uint8)
         decode = DecodeConnector(
             engine_id="bench-decode",
@@ -149,7 +171,7 @@ def bench_transfer(
         rows = []
         tag = 1 << 50
         for n in (min(lengths), *lengths):  # the first run warms up endpoints and pages
-            times, messages = [], 0
+            times, messages = [], []
             for r in range(repeats):
                 parent.send(("lease", f"r{n}-{r}", n))
                 params = KVTransferParams.from_dict(_recv(parent, proc))
@@ -158,8 +180,10 @@ def bench_transfer(
                 ids = kv.allocate_external(rid, list(range(n + 1)), n)
                 stats = decode.pull(params, ids)
                 times.append(stats.seconds)
-                messages = stats.messages
+                messages.append(stats.messages)
                 nbytes = stats.bytes
+                if kv.enable_caching:  # the bytes arrived: the engine commits them
+                    kv.commit_computed(rid, n)
                 kv.free(rid)
             raw = []
             for _ in range(repeats):
@@ -177,7 +201,8 @@ def bench_transfer(
                     "bytes": nbytes,
                     "bytes_min": config.bytes_per_request(n),
                     "bytes_hma_off": off.bytes_per_request(n) if off else None,
-                    "messages": messages,
+                    "messages": messages[-1],
+                    "messages_per_request": round(statistics.mean(messages), 1),
                     "kv_seconds": round(kv_s, 5),
                     "kv_gb_per_s": round(nbytes / kv_s / 1e9, 3),
                     "raw_gb_per_s": round(nbytes / raw_s / 1e9, 3),
@@ -193,11 +218,13 @@ def bench_transfer(
             "page_size_bytes": config.page_size_bytes,
             "num_groups": len(config.groups),
             "ucx": ucx,
+            "churn": churn,
+            "prefix_caching": churn > 0,
             "hma_off_error": None if off else "state layers: the model cannot run with HMA off",
             "runs": rows[1:],
             "leaked_blocks": {
                 "prefill": prefill_leaks,
-                "decode": n_blocks - 1 - kv.pool.num_free_blocks,
+                "decode": n_blocks - 1 - kv.pool.num_free_blocks - held_after_churn,
             },
         }
     finally:

@@ -1,17 +1,23 @@
-"""Block pool: ids, ref counts, the LRU free queue and the prefix cache.
+"""Block pool: ids, ref counts, free runs, the LRU queue of cached blocks and the prefix cache.
 
     block id:   0      1  2  3  4  5 ...  N-1
                 null   ---- allocatable ------
-    free queue: head (evict first) <-> ... <-> tail (freed last)
+    free runs:  [2, 5) [9, 10) ...        uncached free blocks, as maximal runs of ids
+    LRU queue:  head (evict first) <-> ... <-> tail (freed last)    cached free blocks
 
-Blocks with ref count 0 sit in the free queue. A free block may still be *cached*: it carries
-a (block hash, group id) key and is found by prefix lookups until it is popped for reuse, at
-which point its key is dropped (eviction). The null block (id 0) is never allocated or freed.
+A free block (ref count 0) is either *uncached*, and then sits in a run of consecutive free
+uncached ids, or *cached*: it carries a (block hash, group id) key, sits in the LRU queue and
+is found by prefix lookups until it is evicted (popped for reuse, key dropped). `allocate`
+hands out uncached blocks first, as few runs as it can find, and evicts cached blocks only
+when those run out, in LRU order. Consecutive ids matter: a KV transfer moves one message
+per run of ids that are consecutive on both workers. The null block (id 0) is never
+allocated or freed.
 
 Invariants (checked by `check_integrity`):
   * free + in use == num_blocks - 1 (the null block is neither)
-  * cached-free blocks are a subset of the free queue;
-  * no ref count is negative; a block is in the free queue iff its ref count is 0;
+  * a block is free iff its ref count is 0; a free block is queued iff it is cached and
+    in a run iff it is not; no ref count is negative;
+  * runs are disjoint, maximal (no two touch) and filed under their length's size class;
   * every cached block is reachable under its key and every key maps to a block carrying it.
 """
 
@@ -69,11 +75,15 @@ class BlockPool:
         self._head = KVBlock(BlockId(-1))
         self._tail = KVBlock(BlockId(-1))
         self._head.next, self._tail.prev = self._tail, self._head
-        self._num_free = 0
-        for block in self._blocks[1:]:
-            self._push_tail(block)
+        # Free uncached runs [start, end): end by start, start by end, and the starts filed
+        # by size class (length.bit_length() - 1) so a long enough run is found quickly.
+        self._run_end: dict[int, int] = {}
+        self._run_start: dict[int, int] = {}
+        self._classes: list[set[int]] = [set() for _ in range(num_blocks.bit_length())]
+        self._num_free = num_blocks - 1
+        self._file_run(1, num_blocks)
 
-    # -- intrusive free queue ------------------------------------------------------------
+    # -- LRU queue of cached free blocks ----------------------------------------------------
 
     def _push_tail(self, block: KVBlock) -> None:
         last = self._tail.prev
@@ -90,13 +100,86 @@ class BlockPool:
         self._num_free -= 1
 
     def _free_queue_ids(self) -> list[BlockId]:
-        """Ids in the free queue, head (evict first) to tail. For tests and debugging."""
+        """Ids of cached free blocks, head (evict first) to tail. For tests and debugging."""
         ids: list[BlockId] = []
         node = self._head.next
         while node is not None and node is not self._tail and len(ids) < len(self._blocks):
             ids.append(node.block_id)
             node = node.next
         return ids
+
+    # -- runs of uncached free blocks -------------------------------------------------------
+
+    def _file_run(self, start: int, end: int) -> None:
+        self._run_end[start] = end
+        self._run_start[end] = start
+        self._classes[(end - start).bit_length() - 1].add(start)
+
+    def _unfile_run(self, start: int, end: int) -> None:
+        del self._run_end[start]
+        del self._run_start[end]
+        self._classes[(end - start).bit_length() - 1].discard(start)
+
+    def _release_ids(self, start: int, end: int) -> None:
+        """Ids [start, end), just freed and uncached, join the runs (merged with neighbours).
+        The caller counts them as free."""
+        left = self._run_start.get(start)
+        if left is not None:
+            self._unfile_run(left, start)
+            start = left
+        right = self._run_end.get(end)
+        if right is not None:
+            self._unfile_run(end, right)
+            end = right
+        self._file_run(start, end)
+
+    def _claim_id(self, bid: int) -> None:
+        """Take one uncached free block out of its run (splitting it)."""
+        start = bid
+        while start not in self._run_end:  # walk back to the run's start
+            start -= 1
+        end = self._run_end[start]
+        self._unfile_run(start, end)
+        if start < bid:
+            self._file_run(start, bid)
+        if bid + 1 < end:
+            self._file_run(bid + 1, end)
+        self._num_free -= 1
+
+    def _pop_run(self, n: int) -> tuple[int, int]:
+        """Unfile and return the run to cut up to `n` blocks from: one of the first few of
+        n's size class that holds n, else any run of a larger class, else the longest run
+        of a smaller one. Uses `set.pop`, whose cost stays flat as a class shrinks."""
+        classes, run_end = self._classes, self._run_end
+        k = n.bit_length() - 1
+        same = classes[k]
+        tried: list[int] = []
+        found = None
+        while same and len(tried) < 8:
+            start = same.pop()
+            if run_end[start] - start >= n:
+                found = start
+                break
+            tried.append(start)
+        same.update(tried)
+        if found is None:
+            for j in range(k + 1, len(classes)):
+                if classes[j]:
+                    found = classes[j].pop()
+                    break
+        if found is None:  # nothing holds n: the longest of the few we look at
+            top = classes[max(i for i in range(k + 1) if classes[i])]
+            tried = [top.pop() for _ in range(min(8, len(top)))]
+            found = max(tried, key=lambda s: run_end[s] - s)
+            tried.remove(found)
+            top.update(tried)
+        end = run_end[found]
+        self._unfile_run(found, end)
+        return found, end
+
+    def _free_run_ids(self) -> list[tuple[int, int]]:
+        """Free uncached runs [start, end) by start. For tests and debugging."""
+        return sorted(self._run_end.items())
 
     # -- queries -------------------------------------------------------------------------
 
@@ -133,31 +216,51 @@ class BlockPool:
     # -- mutations -----------------------------------------------------------------------
 
     def allocate(self, n: int) -> list[KVBlock]:
-        """Pop `n` blocks from the queue head (evicting their cache keys), ref count 1 each."""
+        """`n` blocks, ref count 1 each: uncached free blocks first, cut from as few runs as
+        it finds (each run's blocks in id order); then, only if those run out, cached ones
+        evicted in LRU order (their keys dropped), handed out in id order."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > self._num_free:
             raise NoFreeBlocksError(f"requested {n} blocks, {self._num_free} free")
         out: list[KVBlock] = []
-        for _ in range(n):
-            block = self._head.next
-            assert block is not None and block is not self._tail
-            self._unlink(block)
-            if block.cache_key is not None:
-                del self._cache[block.cache_key]
+        need = n
+        while need and self._run_end:
+            start, end = self._pop_run(need)
+            take = min(need, end - start)
+            if start + take < end:
+                self._file_run(start + take, end)
+            piece = self._blocks[start : start + take]
+            for block in piece:
+                block.ref_cnt = 1
+            out += piece
+            need -= take
+            self._num_free -= take
+        if need:
+            evicted = []
+            for _ in range(need):
+                block = self._head.next
+                assert block is not None and block is not self._tail
+                self._unlink(block)
+                del self._cache[block.cache_key]  # type: ignore[arg-type]
                 block.cache_key = None
-            block.ref_cnt = 1
-            out.append(block)
+                block.ref_cnt = 1
+                evicted.append(block)
+            evicted.sort(key=_by_id)
+            out += evicted
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
-        """Take one more reference on each block (prefix hit); a free one leaves the queue.
+        """Take one more reference on each block (prefix hit); a free one stops being free.
         The null block is ignored."""
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
-                self._unlink(block)
+                if block.cache_key is not None:
+                    self._unlink(block)
+                else:
+                    self._claim_id(block.block_id)
             block.ref_cnt += 1
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash, group_id: GroupId) -> None:
@@ -173,9 +276,10 @@ class BlockPool:
             block.cache_key = key
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
-        """Drop one reference from each block, in order; blocks reaching 0 go to the queue
-        tail in that order (so pass the ones to evict first first). Null block ignored.
-        Raises IntegrityError on a block whose ref count is already 0."""
+        """Drop one reference from each block, in order. Cached blocks reaching 0 go to the
+        LRU tail in that order (so pass the ones to evict first first); uncached ones join
+        the free runs. Null block ignored. Raises IntegrityError on a block whose ref count
+        is already 0."""
         todo = [b for b in blocks if not b.is_null]
         # Validate the whole call first so a double free changes nothing.
         drops: dict[int, int] = {}
@@ -186,18 +290,40 @@ class BlockPool:
                     f"double free: block {block.block_id} (ref count {block.ref_cnt}) freed "
                     f"{drops[id(block)]} times"
                 )
+        plain: list[int] = []
         for block in todo:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._push_tail(block)
+                if block.cache_key is not None:
+                    self._push_tail(block)
+                else:
+                    plain.append(block.block_id)
+        if plain:
+            plain.sort()
+            self._num_free += len(plain)
+            start = prev = plain[0]
+            for bid in plain[1:]:
+                if bid != prev + 1:
+                    self._release_ids(start, prev + 1)
+                    start = bid
+                prev = bid
+            self._release_ids(start, prev + 1)
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cache key if no block is in use; returns whether it did."""
+        """Drop every cache key if no block is in use; returns whether it did. Every
+        block is then one free run."""
         if self._num_free != len(self._blocks) - 1:
             return False
         for block in self._cache.values():
             block.cache_key = None
+            block.prev = block.next = None
         self._cache.clear()
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._run_end.clear()
+        self._run_start.clear()
+        for size_class in self._classes:
+            size_class.clear()
+        self._file_run(1, len(self._blocks))
         return True
 
     # -- integrity -----------------------------------------------------------------------
@@ -223,13 +349,43 @@ class BlockPool:
                 fail("free queue links", bid, "block queued twice (cycle)")
             if node.is_null:
                 fail("null block never free", bid, "null block in the free queue")
+            if node.cache_key is None:
+                fail("queued iff cached", bid, "uncached block in the LRU queue")
             queued.add(bid)
             prev, node = node, node.next
         if self._tail.prev is not prev:
             fail("free queue links", prev.block_id, "tail.prev is not the last queued block")
-        if len(queued) != self._num_free:
-            fail("free counter", None, f"{len(queued)} queued, counter says {self._num_free}")
-        # Walk the table: ref counts, queue membership, cache keys.
+        # Walk the runs: bounds, both indexes, size classes, maximal and disjoint.
+        in_runs: set[int] = set()
+        if len(self._run_start) != len(self._run_end):
+            fail("run index", None, "start and end indexes differ in size")
+        if sum(len(c) for c in self._classes) != len(self._run_end):
+            fail("run size classes", None, "classes do not hold exactly the runs")
+        for start, end in self._run_end.items():
+            if not 1 <= start < end <= n:
+                fail("run bounds", start, f"run [{start}, {end}) outside [1, {n})")
+            if self._run_start.get(end) != start:
+                fail("run index", start, f"run [{start}, {end}) missing from the end index")
+            if start not in self._classes[(end - start).bit_length() - 1]:
+                fail("run size classes", start, f"run [{start}, {end}) not in its class")
+            if start in self._run_start:
+                fail("runs maximal", start, f"run [{start}, {end}) touches the one before")
+            for bid in range(start, end):
+                if bid in in_runs or bid in queued:
+                    fail("runs disjoint", bid, "block free twice")
+                block = self._blocks[bid]
+                if block.cache_key is not None:
+                    fail("queued iff cached", bid, "cached block in a free run")
+                if block.prev is not None or block.next is not None:
+                    fail("free queue links", bid, "block in a run keeps queue links")
+                in_runs.add(bid)
+        if len(queued) + len(in_runs) != self._num_free:
+            fail(
+                "free counter",
+                None,
+                f"{len(queued)} queued + {len(in_runs)} in runs, counter says {self._num_free}",
+            )
+        # Walk the table: ref counts, free membership, cache keys.
         in_use = 0
         for block in self._blocks:
             bid = block.block_id
@@ -239,8 +395,9 @@ class BlockPool:
                 if block.ref_cnt or block.cache_key or block.prev or block.next:
                     fail("null block never allocated", bid, repr(block))
                 continue
-            if (block.ref_cnt == 0) != (bid in queued):
-                fail("free iff ref count 0", bid, f"ref {block.ref_cnt}, queued {bid in queued}")
+            free = bid in queued or bid in in_runs
+            if (block.ref_cnt == 0) != free:
+                fail("free iff ref count 0", bid, f"ref {block.ref_cnt}, free {free}")
             if bid not in queued and (block.prev is not None or block.next is not None):
                 fail("free queue links", bid, "block outside the queue keeps links")
             in_use += block.ref_cnt > 0
@@ -250,10 +407,17 @@ class BlockPool:
                     fail("caching disabled", bid, f"block carries key {key!r}")
                 if self._cache.get(key) is not block:
                     fail("cached block reachable under its key", bid, f"key {key!r}")
-        # "cached-free blocks are a subset of the free queue" follows from "free iff ref 0".
-        if len(queued) + in_use != n - 1:
-            fail("free + in use == num_blocks - 1", None, f"{len(queued)} + {in_use} != {n - 1}")
+        if len(queued) + len(in_runs) + in_use != n - 1:
+            fail(
+                "free + in use == num_blocks - 1",
+                None,
+                f"{len(queued) + len(in_runs)} + {in_use} != {n - 1}",
+            )
         for key, block in self._cache.items():
             bid = block.block_id
             if block.cache_key != key or not 0 <= bid < n or self._blocks[bid] is not block:
                 fail("key maps to a block carrying it", bid, f"key {key!r}")
+
+
+def _by_id(block: KVBlock) -> int:
+    return block.block_id

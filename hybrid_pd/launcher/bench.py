@@ -38,6 +38,13 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--lengths", default="1024,2048,4096,8192,16384,32768")
     t.add_argument("--repeats", type=int, default=3)
     t.add_argument("--ucx-tls", default=None, help="UCX_TLS for both sides (e.g. tcp)")
+    t.add_argument(
+        "--churn",
+        type=int,
+        default=0,
+        help="mixed requests run through both pools before measuring (fragmentation)",
+    )
+    t.add_argument("--seed", type=int, default=0, help="seed of the churn")
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_bench_transfer)
     from hybrid_pd.launcher.bench_load import add_load_parser
@@ -312,18 +319,22 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
     from hybrid_pd.connector.transfer_bench import bench_transfer
 
     lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
-    result = bench_transfer(args.model, lengths, args.repeats, args.ucx_tls)
+    if args.churn < 0:
+        raise SystemExit("--churn must be >= 0")
+    result = bench_transfer(
+        args.model, lengths, args.repeats, args.ucx_tls, churn=args.churn, seed=args.seed
+    )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(
             f"{result['model']}: block {result['block_size']}, page "
-            f"{result['page_size_bytes']} B, {result['num_groups']} groups"
+            f"{result['page_size_bytes']} B, {result['num_groups']} groups, churn {result['churn']}"
         )
         for r in result["runs"]:
             print(
                 f"{r['tokens']:>6} tokens {r['bytes'] / 2**20:9.1f} MiB "
-                f"{r['messages']:>3} msgs  KV {r['kv_gb_per_s']:6.2f} GB/s  raw "
+                f"{r['messages_per_request']:>7} msgs/req  KV {r['kv_gb_per_s']:6.2f} GB/s  raw "
                 f"{r['raw_gb_per_s']:6.2f} GB/s  ratio {r['ratio']:.2f}"
             )
     return 0

@@ -1,4 +1,4 @@
-"""BlockPool: allocation order, ref counts, prefix cache, integrity checks."""
+"""BlockPool: free runs, LRU eviction, ref counts, prefix cache, integrity checks."""
 
 from __future__ import annotations
 
@@ -31,13 +31,23 @@ def ids(blocks: list[KVBlock]) -> list[int]:
 
 
 def queue(pool: BlockPool) -> list[int]:
+    """Cached free blocks, evict first to evict last."""
     return list(pool._free_queue_ids())
+
+
+def runs(pool: BlockPool) -> list[tuple[int, int]]:
+    """Uncached free blocks as [start, end) runs."""
+    return pool._free_run_ids()
+
+
+def free_ids(pool: BlockPool) -> set[int]:
+    return set(queue(pool)) | {b for s, e in runs(pool) for b in range(s, e)}
 
 
 def snapshot(pool: BlockPool) -> tuple[object, ...]:
     refs = [pool.get_block(BlockId(i)).ref_cnt for i in range(pool.num_blocks)]
     keys = [pool.get_block(BlockId(i)).cache_key for i in range(pool.num_blocks)]
-    return queue(pool), refs, keys, dict(pool._cache), pool.num_free_blocks
+    return queue(pool), runs(pool), refs, keys, dict(pool._cache), pool.num_free_blocks
 
 
 def make(num_blocks: int = 6, enable_caching: bool = True) -> BlockPool:
@@ -55,7 +65,7 @@ def test_initial_state() -> None:
     assert pool.num_free_blocks == 5
     assert pool.num_cached_blocks == 0
     assert pool.usage() == 0.0
-    assert queue(pool) == [1, 2, 3, 4, 5]
+    assert queue(pool) == [] and runs(pool) == [(1, 6)]
     assert pool.null_block is pool.get_block(NULL_BLOCK_ID)
     assert pool.null_block.is_null and pool.null_block.ref_cnt == 0
 
@@ -64,7 +74,7 @@ def test_init_and_argument_errors() -> None:
     with pytest.raises(ValueError):
         BlockPool(1)
     pool = make(2)
-    assert queue(pool) == [1]
+    assert runs(pool) == [(1, 2)]
     with pytest.raises(IndexError):
         pool.get_block(BlockId(2))
     with pytest.raises(IndexError):
@@ -74,19 +84,50 @@ def test_init_and_argument_errors() -> None:
     assert not pool.can_allocate(-1)
 
 
-def test_allocate_free_lru_order() -> None:
+def test_uncached_blocks_are_handed_out_as_runs() -> None:
     pool = make(6)
     a = pool.allocate(3)
     pool.check_integrity()
     assert ids(a) == [1, 2, 3] and all(b.ref_cnt == 1 for b in a)
     assert pool.usage() == pytest.approx(3 / 5)
-    pool.free([a[2], a[0]])  # 3 then 1 go to the tail, in that order
+    pool.free([a[2], a[0]])  # uncached: they join the runs, 3 merges with [4, 6)
     pool.check_integrity()
-    assert queue(pool) == [4, 5, 3, 1]
+    assert queue(pool) == [] and runs(pool) == [(1, 2), (3, 6)]
     b = pool.allocate(3)
     pool.check_integrity()
-    assert ids(b) == [4, 5, 3]  # freed-first is reused-first, after never-used blocks
-    assert queue(pool) == [1]
+    assert ids(b) == [3, 4, 5]  # one run holds all three: no split
+    assert runs(pool) == [(1, 2)]
+    pool.free(reversed(b))  # freed in any order, they merge back into one run
+    pool.free([a[1]])
+    pool.check_integrity()
+    assert runs(pool) == [(1, 6)]
+
+
+def test_runs_are_preferred_to_scattered_blocks() -> None:
+    pool = make(17)
+    held = pool.allocate(16)
+    pool.free(held[0:1] + held[3:4] + held[6:7] + held[9:16])  # holes 1, 4, 7 and [10, 17)
+    pool.check_integrity()
+    assert ids(pool.allocate(5)) == [10, 11, 12, 13, 14]
+    assert ids(pool.allocate(1)) in ([1], [4], [7], [15], [16])
+    pool.check_integrity()
+
+
+def test_cached_blocks_evicted_in_lru_order_after_uncached_ones() -> None:
+    pool = make(8)
+    a = pool.allocate(7)
+    for i, b in enumerate(a[:4]):
+        pool.cache_block(b, h(i), G0)
+    pool.free([a[2], a[0], a[3], a[1], a[6], a[5], a[4]])
+    pool.check_integrity()
+    assert queue(pool) == [3, 1, 4, 2] and runs(pool) == [(5, 8)]
+    assert ids(pool.allocate(2)) == [5, 6]  # uncached first, cache untouched
+    assert pool.num_cached_blocks == 4
+    got = pool.allocate(3)  # the last uncached one, then the two least recently freed
+    pool.check_integrity()
+    assert ids(got) == [7, 1, 3]  # evicted ones in id order
+    assert pool.lookup(h(2), G0) is None and pool.lookup(h(0), G0) is None
+    assert queue(pool) == [4, 2] and pool.num_cached_blocks == 2
 
 
 def test_allocate_zero_and_exhaustion() -> None:
@@ -143,14 +184,14 @@ def test_touch_cached_free_block_leaves_queue() -> None:
     pool.cache_block(blocks[2], h(7), G1)
     pool.free(blocks)
     pool.check_integrity()
-    assert queue(pool) == [1, 2, 3, 4, 5]
+    assert queue(pool) == [3] and runs(pool) == [(1, 3), (4, 6)]
     hit = pool.lookup(h(7), G1)
     assert hit is blocks[2] and hit.ref_cnt == 0  # lookup changes nothing
     assert pool.lookup(h(7), G0) is None  # the group is part of the key
     pool.touch([hit])
     pool.check_integrity()
     assert hit.ref_cnt == 1 and hit.cache_key == (h(7), G1)
-    assert queue(pool) == [1, 2, 4, 5]  # removed from the middle
+    assert queue(pool) == []
     assert pool.num_free_blocks == 4
     assert hit not in pool.allocate(4)
     pool.check_integrity()
@@ -160,14 +201,29 @@ def test_touch_cached_free_block_leaves_queue() -> None:
 
 
 def test_touch_head_and_tail_of_queue() -> None:
-    pool = make(5)
-    pool.touch([pool.get_block(BlockId(1))])
+    pool = make(8)
+    blocks = pool.allocate(4)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, h(i), G0)
+    pool.free(blocks)
+    pool.touch([blocks[0]])
     pool.check_integrity()
-    pool.touch([pool.get_block(BlockId(4))])
+    pool.touch([blocks[3]])
     pool.check_integrity()
     assert queue(pool) == [2, 3]
-    assert ids(pool.allocate(2)) == [2, 3]
+    assert ids(pool.allocate(5)) == [5, 6, 7, 2, 3]
     pool.check_integrity()
+
+
+def test_touch_uncached_free_blocks_splits_runs() -> None:
+    pool = make(8)
+    for bid, left in ((1, [(2, 8)]), (7, [(2, 7)]), (4, [(2, 4), (5, 7)])):
+        pool.touch([pool.get_block(BlockId(bid))])
+        pool.check_integrity()
+        assert runs(pool) == left
+    pool.free([pool.get_block(BlockId(4))])
+    pool.check_integrity()
+    assert runs(pool) == [(2, 7)]
 
 
 def test_ref_counts_with_two_owners() -> None:
@@ -278,10 +334,9 @@ def test_reset_prefix_cache() -> None:
     pool.check_integrity()
     assert snapshot(pool) == before
     pool.free(blocks[2:])
-    order = queue(pool)
     assert pool.reset_prefix_cache()
     pool.check_integrity()
-    assert pool.num_cached_blocks == 0 and queue(pool) == order
+    assert pool.num_cached_blocks == 0 and queue(pool) == [] and runs(pool) == [(1, 6)]
     assert all(pool.lookup(h(i), G0) is None for i in range(3))
     assert all(b.cache_key is None for b in blocks)
     assert pool.reset_prefix_cache()  # nothing cached, nothing in use
@@ -357,9 +412,58 @@ CORRUPTIONS: dict[str, tuple[Callable[[BlockPool], None], str, int | None]] = {
 def test_check_integrity_detects_corruption(name: str) -> None:
     corrupt, invariant_name, block_id = CORRUPTIONS[name]
     pool = make(6)
-    blocks = pool.allocate(3)  # ids 1, 2, 3 in use; 4, 5 free
-    pool.cache_block(blocks[0], h(1), G0)
+    blocks = pool.allocate(5)  # ids 1, 2, 3 in use; 4, 5 cached free, in the queue
+    for i in (0, 3, 4):
+        pool.cache_block(blocks[i], h(i + 1), G0)
+    pool.free(blocks[3:])
     pool.check_integrity()
+    corrupt(pool)
+    with pytest.raises(IntegrityError, match=invariant_name) as err:
+        pool.check_integrity()
+    if block_id is not None:
+        assert f"(block {block_id})" in str(err.value)
+
+
+def _split_run(p: BlockPool) -> None:  # [3, 9) filed as [3, 5) and [5, 9)
+    p._unfile_run(3, 9)
+    p._file_run(3, 5)
+    p._file_run(5, 9)
+
+
+def _overlapping_run(p: BlockPool) -> None:
+    p._file_run(2, 4)
+
+
+def _run_out_of_class(p: BlockPool) -> None:
+    p._classes[2].discard(3)
+    p._classes[0].add(3)
+
+
+def _cached_block_in_run(p: BlockPool) -> None:
+    p.get_block(BlockId(5)).cache_key = (h(9), G0)
+    p._cache[(h(9), G0)] = p.get_block(BlockId(5))
+
+
+def _run_end_index(p: BlockPool) -> None:
+    p._run_start[8] = p._run_start.pop(9)
+
+
+RUN_CORRUPTIONS: dict[str, tuple[Callable[[BlockPool], None], str, int | None]] = {
+    "split": (_split_run, "runs maximal", 5),
+    "overlap": (_overlapping_run, "runs disjoint", 3),
+    "class": (_run_out_of_class, "run size classes", 3),
+    "cached": (_cached_block_in_run, "queued iff cached", 5),
+    "end_index": (_run_end_index, "run index", 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUN_CORRUPTIONS))
+def test_check_integrity_detects_corrupt_runs(name: str) -> None:
+    corrupt, invariant_name, block_id = RUN_CORRUPTIONS[name]
+    pool = make(10)
+    pool.allocate(2)  # ids 1, 2 in use; [3, 10) one run
+    pool.touch([pool.get_block(BlockId(9))])  # [3, 9)
+    assert runs(pool) == [(3, 9)]
     corrupt(pool)
     with pytest.raises(IntegrityError, match=invariant_name) as err:
         pool.check_integrity()
@@ -380,7 +484,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(num_blocks, enable_caching=caching)
         self.caching = caching
         self.refs = {i: 0 for i in range(1, num_blocks)}
-        self.order = list(range(1, num_blocks))  # model free queue
+        self.order: list[int] = []  # model LRU queue: cached free blocks
+        self.plain = set(range(1, num_blocks))  # model uncached free blocks (any order)
         self.cache: dict[tuple[BlockHash, GroupId], int] = {}
         self.held: list[int] = []  # one entry per reference taken by the test
 
@@ -389,15 +494,20 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 5))
     def allocate(self, n: int) -> None:
-        if n > len(self.order):
+        if n > len(self.order) + len(self.plain):
             before = snapshot(self.pool)
             with pytest.raises(NoFreeBlocksError):
                 self.pool.allocate(n)
             assert snapshot(self.pool) == before
             return
         got = ids(self.pool.allocate(n))
-        assert got == self.order[:n]
-        del self.order[:n]
+        assert len(got) == len(set(got)) == n
+        # Uncached blocks first, in any order; then cached ones, evicted in LRU order.
+        evict = max(0, n - len(self.plain))
+        assert set(got[: n - evict]) <= self.plain
+        assert got[n - evict :] == sorted(self.order[:evict])
+        self.plain -= set(got)
+        del self.order[:evict]
         for bid in got:
             key = self._key_of(bid)
             if key is not None:
@@ -420,7 +530,10 @@ class PoolMachine(RuleBasedStateMachine):
     def _touch(self, bid: int) -> None:
         self.pool.touch([self.pool.null_block, self.pool.get_block(BlockId(bid))])
         if self.refs[bid] == 0:
-            self.order.remove(bid)
+            if bid in self.plain:
+                self.plain.remove(bid)
+            else:
+                self.order.remove(bid)
         self.refs[bid] += 1
         self.held.append(bid)
 
@@ -443,12 +556,15 @@ class PoolMachine(RuleBasedStateMachine):
         for bid in bids:
             self.refs[bid] -= 1
             if self.refs[bid] == 0:
-                self.order.append(bid)
+                if self._key_of(bid) is None:
+                    self.plain.add(bid)
+                else:
+                    self.order.append(bid)
 
-    @precondition(lambda self: self.order)
+    @precondition(lambda self: self.order or self.plain)
     @rule(data=st.data())
     def double_free(self, data: st.DataObject) -> None:
-        bid = data.draw(st.sampled_from(self.order))
+        bid = data.draw(st.sampled_from(sorted(self.plain) + self.order))
         before = snapshot(self.pool)
         with pytest.raises(IntegrityError):
             self.pool.free([self.pool.get_block(BlockId(bid))])
@@ -460,6 +576,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert did == (not self.held)
         if did:
             self.cache.clear()
+            self.plain |= set(self.order)
+            self.order = []
 
     @invariant()
     def matches_model(self) -> None:
@@ -467,10 +585,11 @@ class PoolMachine(RuleBasedStateMachine):
             return
         self.pool.check_integrity()
         pool = self.pool
-        assert {b for b in queue(pool)} == {b for b, r in self.refs.items() if r == 0}
+        assert free_ids(pool) == {b for b, r in self.refs.items() if r == 0}
         assert queue(pool) == self.order
+        assert {b for s, e in runs(pool) for b in range(s, e)} == self.plain
         assert {b: pool.get_block(BlockId(b)).ref_cnt for b in self.refs} == self.refs
-        assert pool.num_free_blocks == len(self.order)
+        assert pool.num_free_blocks == len(self.order) + len(self.plain)
         assert pool.num_cached_blocks == len(self.cache)
         for key in KEYS:
             blk = pool.lookup(*key)
@@ -514,4 +633,4 @@ def test_randomized_large_pool(seed: int) -> None:
             for b in gone:
                 expected[b.block_id] -= 1
         pool.check_integrity()
-        assert set(queue(pool)) == {b for b, r in expected.items() if r == 0}
+        assert free_ids(pool) == {b for b, r in expected.items() if r == 0}

@@ -43,6 +43,7 @@ def state_of(mgr: KVCacheManager) -> tuple:
     blocks = [mgr.pool.get_block(BlockId(i)) for i in range(mgr.pool.num_blocks)]
     return (
         mgr.pool._free_queue_ids(),
+        mgr.pool._free_run_ids(),
         [(b.ref_cnt, b.cache_key) for b in blocks],
         {r: mgr.block_ids(r) for m in mgr.managers for r in m.req_blocks},
         mgr.num_requests,
