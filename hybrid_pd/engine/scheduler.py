@@ -222,8 +222,8 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req not in self.running:
-                continue  # preempted earlier in this loop
+            if req.request_id in out.preempted:
+                continue  # preempted earlier in this loop (`in self.running` compared fields)
             n = self._chunk(req, budget)
             if n <= 0:
                 continue

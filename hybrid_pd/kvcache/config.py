@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from hybrid_pd.kvcache.specs import LayerSpec, StateSpec, cdiv, dtype_bytes
 
@@ -100,11 +100,19 @@ class KVCacheConfig:
 
     def group_of(self, layer_name: str) -> KVCacheGroup:
         """The group that stores `layer_name` (or the layer it shares KV with)."""
-        name = self.shared_layers.get(layer_name, layer_name)
+        group = self._group_by_layer.get(self.shared_layers.get(layer_name, layer_name))
+        if group is None:
+            raise KeyError(f"layer {layer_name!r} owns no KV cache in this config")
+        return group
+
+    @cached_property
+    def _group_by_layer(self) -> dict[str, KVCacheGroup]:
+        # layers ask for their group every step; a scan over the groups was measurable
+        found: dict[str, KVCacheGroup] = {}
         for g in self.groups:
-            if name in g.layer_names:
-                return g
-        raise KeyError(f"layer {layer_name!r} owns no KV cache in this config")
+            for name in g.layer_names:
+                found.setdefault(name, g)  # the first group that holds it, as a scan finds
+        return found
 
     def padding_slots(self, group: KVCacheGroup) -> int:
         """Whole unused slots in the group's page (vLLM calls these padding layers)."""

@@ -191,10 +191,17 @@ class KVPool:
                 view[block_ids[:, 0]] = t.to(view.dtype)
             return
         offsets, _ = state_tensor_offsets(spec)
-        flat = torch.zeros(rows, span * raw.shape[1], dtype=torch.uint8, device=raw.device)
+        width = span * raw.shape[1]
+        # every byte of `flat` is written below: the tensors, then zeros in the gaps
+        # (alignment, padding), cheaper than zero-filling it all first
+        flat = torch.empty(rows, width, dtype=torch.uint8, device=raw.device)
+        end = 0
         for off, t, dtype in zip(offsets, tensors, spec.dtypes, strict=True):
             data = t.to(torch_dtype(dtype)).contiguous().view(rows, -1).view(torch.uint8)
+            flat[:, end:off] = 0
             flat[:, off : off + data.shape[1]] = data
+            end = off + data.shape[1]
+        flat[:, end:width] = 0
         _words(raw)[block_ids.flatten()] = _words(flat.view(rows * span, raw.shape[1]))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -20,14 +20,18 @@ class WorkerActor:
         *,
         name: str = "worker",
         log_level: str = "info",
+        workers_on_host: int | None = None,
     ) -> None:
+        """`threads`: torch threads (None: this process's CPUs shared by `workers_on_host`,
+        by default the worker slots of this Ray node)."""
         self.name = name
         name_log_prefix(name)
         configure_logging(log_level)  # stderr, which Ray forwards to `serve`'s console
-        if threads:
-            import torch
+        from hybrid_pd.engine.threads import set_torch_threads
 
-            torch.set_num_threads(threads)
+        if not threads and workers_on_host is None:
+            workers_on_host = _worker_slots_on_this_node()
+        set_torch_threads(threads, workers_on_host or 1)
         if config.host == "auto":  # serve on this node's address (multi-node clusters)
             import dataclasses
 
@@ -48,6 +52,24 @@ class WorkerActor:
 
     def shutdown(self) -> None:
         self.worker.close()
+
+
+def _worker_slots_on_this_node() -> int:
+    """Worker slots (its `prefill` + `decode` resources) of the Ray node this actor is on:
+    the engine processes that may share its CPUs. 1 when Ray cannot tell."""
+    import ray
+
+    if not ray.is_initialized():  # a plain object, not an actor (tests)
+        return 1
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        for info in ray.nodes():
+            if info.get("NodeID") == node:
+                res = info.get("Resources", {})
+                return max(1, int(res.get("prefill", 0) + res.get("decode", 0)))
+    except Exception:  # a thread count's guess is no reason for a worker to fail
+        pass
+    return 1
 
 
 class VllmWorkerActor:

@@ -30,6 +30,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--decode-tokens", type=int, default=32)
     e.add_argument("--batch-sizes", default="1,32")
     e.add_argument("--no-transformers", action="store_true", help="skip the reference")
+    e.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_bench_engine)
     add_bench_vllm(bsub)
@@ -211,6 +212,7 @@ def bench_engine(
     decode_tokens: int,
     batch_sizes: list[int],
     with_transformers: bool = True,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Prefill and decode throughput of our engine and of transformers' generate, same
     checkpoint, same prompts, same process. Prefill time is the time to the first token;
@@ -220,8 +222,10 @@ def bench_engine(
     from hybrid_pd.engine.engine import Engine, EngineConfig
     from hybrid_pd.engine.loader import load_model
     from hybrid_pd.engine.sampling import SamplingParams
+    from hybrid_pd.engine.threads import set_torch_threads
     from hybrid_pd.engine.tiny import resolve_model
 
+    threads = set_torch_threads(threads)
     path = resolve_model(model_name)
     model, config, tok = load_model(path)
     gen = torch.Generator().manual_seed(0)
@@ -286,7 +290,8 @@ def bench_engine(
                 row["ours_decode_tokens_per_s"] / row["transformers_decode_tokens_per_s"], 3
             )
         rows.append(row)
-    return {"model": model_name, "device": str(next(model.parameters()).device), "runs": rows}
+    device = str(next(model.parameters()).device)
+    return {"model": model_name, "device": device, "threads": threads, "runs": rows}
 
 
 class _TokenClock:
@@ -305,7 +310,12 @@ class _TokenClock:
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
     result = bench_engine(
-        args.model, args.prompt_len, args.decode_tokens, sizes, not args.no_transformers
+        args.model,
+        args.prompt_len,
+        args.decode_tokens,
+        sizes,
+        not args.no_transformers,
+        threads=args.threads,
     )
     if args.json:
         print(json.dumps(result, indent=2))

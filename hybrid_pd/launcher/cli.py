@@ -160,6 +160,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     p.add_argument("--kv-memory", default="256MiB", help="KV cache memory (bytes or 1GiB)")
     p.add_argument("--device", default=None, help="torch device (default: torch's default)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads per engine (default: its CPUs)"
+    )
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
     p.add_argument(
         "--disaggregated",
@@ -182,9 +185,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return _cmd_generate_pd(args)
     from hybrid_pd.engine.engine import Engine, EngineConfig
     from hybrid_pd.engine.loader import load_model
+    from hybrid_pd.engine.threads import set_torch_threads
     from hybrid_pd.engine.tiny import resolve_model
     from hybrid_pd.kvcache.planner import parse_bytes
 
+    set_torch_threads(args.threads)
     model, config, tokenizer = load_model(resolve_model(args.model), device=args.device)
     engine = Engine(
         model, config, EngineConfig(kv_memory_bytes=parse_bytes(args.kv_memory)), tokenizer
@@ -245,7 +250,11 @@ def _cmd_generate_pd(args: argparse.Namespace) -> int:
         args.kv_memory,
         "--failure-policy",
         args.failure_policy,
+        "--workers-on-host",
+        "2",  # the two share this machine's CPUs
     ]
+    if args.threads:
+        common += ["--threads", str(args.threads)]
     if args.device:
         common += ["--device", args.device]
     secret = secrets.token_urlsafe(32)  # closed by default; it reaches them by environment

@@ -185,6 +185,11 @@ class Deployment:
             self.config.threads,
             name=f"{role}-{index}",
             log_level=self.config.log_level,
+            # embedded Ray: every worker is on this host; on a cluster each actor counts
+            # the worker slots of its own node
+            workers_on_host=(
+                self.config.prefill + self.config.decode if self.config.address is None else None
+            ),
         )
 
     def _start_proxy(self, model_path: str) -> None:

@@ -18,6 +18,7 @@ import threading
 
 from hybrid_pd.api.secret import SECRET_ENV, given_secret
 from hybrid_pd.engine.engine import EngineConfig
+from hybrid_pd.engine.threads import set_torch_threads
 from hybrid_pd.kvcache.planner import parse_bytes
 from hybrid_pd.workers.worker import ROLES, Worker, WorkerConfig
 
@@ -55,7 +56,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=256,
         help="requests admitted but waiting for their first token; beyond: RESOURCE_EXHAUSTED",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: this process's CPUs / --workers-on-host)",
+    )
+    p.add_argument(
+        "--workers-on-host",
+        type=int,
+        default=1,
+        help="engine processes sharing this host's CPUs (sets the default --threads)",
+    )
     p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes")
     return p.parse_args(argv)
 
@@ -72,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_torch_threads(args.threads, args.workers_on_host)
     config = WorkerConfig(
         role=args.role,
         model=args.model,

@@ -123,8 +123,9 @@ def test_split_is_built_once_per_step_and_group(arch):
     runner.step([("a", a, [7]), ("c", c, c), ("b", b, [9])])
     batch = seen[-1]
     state_groups = {g.group_id for g in runner.config.groups if g.is_state}
-    assert {key[1] for key in batch.memo} == state_groups
-    rows, rest = next(iter(batch.memo.values()))
+    splits = {k: v for k, v in batch.memo.items() if k[0] == "state_rows"}
+    assert {key[1] for key in splits} == state_groups
+    rows, rest = next(iter(splits.values()))
     assert rows.tokens.tolist() == [0, 5] and [s.request_id for s in rest] == ["c"]
     assert rows.fresh.tolist() == [False, False] and not rows.any_fresh
     span = next(g.blocks_per_state for g in runner.config.groups if g.is_state)

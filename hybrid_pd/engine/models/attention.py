@@ -11,7 +11,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.rope import rotate
-from hybrid_pd.engine.paged import paged_attention
+from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.specs import AttentionSpec
 
 

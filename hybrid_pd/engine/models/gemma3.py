@@ -25,7 +25,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
-from hybrid_pd.engine.paged import paged_attention
+from hybrid_pd.engine.paged_attention import paged_attention
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

@@ -32,7 +32,7 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
 from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings, rotate
-from hybrid_pd.engine.paged import paged_attention
+from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
 

@@ -31,13 +31,13 @@ from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, Rotary, activation
 from hybrid_pd.engine.paged import (
     StateRows,
-    paged_attention,
     read_state,
     read_state_rows,
     split_state_seqs,
     write_state,
     write_state_rows,
 )
+from hybrid_pd.engine.paged_attention import paged_attention
 
 __all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "tiny_qwen3_5_config"]
 

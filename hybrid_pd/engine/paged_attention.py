@@ -1,0 +1,226 @@
+"""Attention over the paged pool (reference PyTorch, any device).
+
+A step's index tensors depend on the batch and the layer's cache group only, so they are
+built once per step and group (`attention_plan`, kept in `ForwardBatch.memo`) and shared
+by every layer of the group. The batch splits in two:
+
+    decode rows   sequences that add one token: one scatter writes all their K/V, one
+                  gather reads each one's readable blocks into a padded [S, W*B, Hkv, D]
+                  tensor, one SDPA call attends all of them
+    the others    prefill chunks, per sequence: write the chunk's K/V, gather the run of
+                  keys its queries may read, attend with a causal (+ window / chunk) mask
+
+A decode row, W blocks of B slots gathered from its block table:
+
+    | first block      | ...  | last block       | null-block padding ... |
+    |....xxxxxxxxxxxxxx| .... |xxxxxq...........|........................|
+      ^ slid out of the window     ^ not written yet
+
+The slots marked '.' are masked, and zeroed after the gather: their bytes may be anything
+(a page last used by a state layer, read as floats, can hold NaN) and SDPA adds its mask to
+the scores, which leaves a NaN a NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
+
+# Fewest one-token sequences worth the batched decode path (below it they join the loop).
+MIN_DECODE_ROWS = 1
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The one-token sequences of a batch, as one attention cache group sees them."""
+
+    tokens: torch.Tensor | None  # [S] their tokens in the flattened batch; None: all, in order
+    blocks: torch.Tensor  # [S] the block each new K/V goes to
+    slots: torch.Tensor  # [S] its slot in that block
+    read: torch.Tensor  # [S * W] the blocks to gather, row after row (padded with block 0)
+    visible: torch.Tensor  # [S, 1, 1, W * B] bool: the gathered slots the query may see
+    masked: torch.Tensor | None  # flat indices in [S * W * B] of the others (None: none)
+
+
+@dataclass(frozen=True)
+class SeqPlan:
+    """One multi-token sequence, as one attention cache group sees it."""
+
+    seq: SeqInfo
+    blocks: torch.Tensor  # [n] the block each new token's K/V goes to
+    slots: torch.Tensor  # [n] its slot in that block
+    read: torch.Tensor  # the blocks that hold keys first_key .. num_tokens - 1
+    offset: int  # first_key's index in the gathered run of slots
+    visible: torch.Tensor  # [n, num_tokens - first_key] bool
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    rows: DecodeRows | None
+    loop: list[SeqPlan]
+
+
+def paged_attention(
+    layer_name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: ForwardBatch,
+    *,
+    scale: float,
+    window: int | None = None,
+    chunk: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] for the batch's new tokens -> out [T, Hq, D]. Writes
+    the new K/V into the layer's pages.
+
+    `window`: each query sees itself and the window - 1 tokens before it. `chunk`: each
+    query sees earlier tokens of its own chunk only.
+    """
+    cache = batch.kv.attention_view(layer_name)  # [N, 2, B, Hkv, D]
+    plan = attention_plan(layer_name, batch, window, chunk)
+    rows = plan.rows
+    if rows is not None and rows.tokens is None:
+        return _attend_rows(q, k, v, cache, rows, scale, softcap)
+    out = torch.empty_like(q)
+    if rows is not None:
+        t = rows.tokens
+        out[t] = _attend_rows(q[t], k[t], v[t], cache, rows, scale, softcap)
+    for p in plan.loop:
+        s = p.seq
+        out[s.start : s.end] = _attend_seq(
+            q[s.start : s.end], k[s.start : s.end], v[s.start : s.end], cache, p, scale, softcap
+        )
+    return out
+
+
+def attention_plan(
+    layer_name: str, batch: ForwardBatch, window: int | None, chunk: int | None
+) -> AttentionPlan:
+    """The step's index tensors for the layer's cache group (built by its first layer)."""
+    group_id = batch.kv.config.group_of(layer_name).group_id
+    key = ("attention", group_id, window, chunk)
+    plan = batch.memo.get(key)
+    if plan is None:
+        plan = batch.memo[key] = _plan(batch, group_id, window, chunk)
+    return plan
+
+
+def _plan(batch: ForwardBatch, group_id: int, window, chunk) -> AttentionPlan:
+    bs = batch.kv.config.block_size
+    dev = batch.kv.device
+    singles = [s for s in batch.seqs if s.num_new == 1]
+    if len(singles) < MIN_DECODE_ROWS:
+        singles = []
+    rest = [s for s in batch.seqs if s.num_new != 1] if singles else batch.seqs
+    rows = None
+    if singles:
+        rows = _decode_rows(singles, group_id, bs, window, chunk, dev, whole=not rest)
+    loop = [_seq_plan(s, s.block_ids[group_id], bs, window, chunk, dev) for s in rest]
+    return AttentionPlan(rows, loop)
+
+
+def _decode_rows(seqs: list[SeqInfo], group_id, bs, window, chunk, dev, whole) -> DecodeRows:
+    pos = [s.num_computed for s in seqs]
+    tables = [s.block_ids[group_id] for s in seqs]
+    first = [_first_key(p, window, chunk) // bs for p in pos]
+    width = max(p // bs - f + 1 for p, f in zip(pos, first, strict=True))
+    read: list[int] = []
+    for table, f, p in zip(tables, first, pos, strict=True):
+        span = table[f : p // bs + 1]
+        read += span
+        read += [0] * (width - len(span))
+    qpos = torch.tensor(pos, device=dev)[:, None]
+    kpos = torch.tensor(first, device=dev)[:, None] * bs + torch.arange(width * bs, device=dev)
+    visible = _visible(qpos, kpos, window, chunk)
+    masked = (~visible).flatten().nonzero().flatten()
+    return DecodeRows(
+        tokens=None if whole else torch.tensor([s.start for s in seqs], device=dev),
+        blocks=torch.tensor([t[p // bs] for t, p in zip(tables, pos, strict=True)], device=dev),
+        slots=torch.tensor([p % bs for p in pos], device=dev),
+        read=torch.tensor(read, device=dev),
+        visible=visible[:, None, None, :],
+        masked=masked if masked.numel() else None,
+    )
+
+
+def _seq_plan(seq: SeqInfo, table: list[int], bs: int, window, chunk, dev) -> SeqPlan:
+    pos = torch.arange(seq.num_computed, seq.num_tokens, device=dev)
+    lo = _first_key(seq.num_computed, window, chunk)
+    first, last = lo // bs, (seq.num_tokens - 1) // bs
+    kpos = torch.arange(lo, seq.num_tokens, device=dev)
+    return SeqPlan(
+        seq=seq,
+        blocks=torch.tensor(table, dtype=torch.long, device=dev)[pos // bs],
+        slots=pos % bs,
+        read=torch.tensor(table[first : last + 1], dtype=torch.long, device=dev),
+        offset=lo - first * bs,
+        visible=_visible(pos[:, None], kpos[None, :], window, chunk),
+    )
+
+
+def _visible(qpos, kpos, window: int | None, chunk: int | None) -> torch.Tensor:
+    """Which key positions each query position may attend to (causal, window, chunk)."""
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= (qpos - kpos) < window
+    if chunk is not None:
+        allowed &= (kpos // chunk) == (qpos // chunk)
+    return allowed
+
+
+def _first_key(num_computed: int, window: int | None, chunk: int | None) -> int:
+    if window is not None:
+        return max(0, num_computed - window + 1)
+    if chunk is not None:
+        return (num_computed // chunk) * chunk
+    return 0
+
+
+def _attend_rows(q, k, v, cache, rows: DecodeRows, scale, softcap) -> torch.Tensor:
+    """One query per row: q [S, Hq, D], k/v [S, Hkv, D] -> [S, Hq, D]."""
+    kc, vc = cache[:, 0], cache[:, 1]  # [N, B, Hkv, D] each
+    kc[rows.blocks, rows.slots] = k.to(cache.dtype)
+    vc[rows.blocks, rows.slots] = v.to(cache.dtype)
+    n, hq, d = q.shape
+    hkv = kc.shape[2]
+    keys = kc.index_select(0, rows.read).to(q.dtype)  # [S * W, B, Hkv, D]
+    values = vc.index_select(0, rows.read).to(q.dtype)
+    if rows.masked is not None:
+        keys.view(-1, hkv * d).index_fill_(0, rows.masked, 0)
+        values.view(-1, hkv * d).index_fill_(0, rows.masked, 0)
+    keys = keys.view(n, -1, hkv, d).transpose(1, 2)  # [S, Hkv, T, D]
+    values = values.view(n, -1, hkv, d).transpose(1, 2)
+    # the query heads that share a KV head are SDPA's query rows: GQA without repeats
+    qg = q.reshape(n, hkv, hq // hkv, d)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=rows.visible, scale=scale)
+    else:
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~rows.visible, float("-inf"))
+        out = torch.matmul(F.softmax(scores.float(), dim=-1).to(q.dtype), values)
+    return out.reshape(n, hq, d)
+
+
+def _attend_seq(q, k, v, cache, p: SeqPlan, scale, softcap) -> torch.Tensor:
+    """One sequence's queries: q [n, Hq, D], k/v [n, Hkv, D] -> [n, Hq, D]."""
+    cache[p.blocks, 0, p.slots] = k.to(cache.dtype)
+    cache[p.blocks, 1, p.slots] = v.to(cache.dtype)
+    num_keys = p.visible.shape[1]
+    kv = cache.index_select(0, p.read)  # [nb, 2, B, Hkv, D]
+    kv = kv.transpose(0, 1).flatten(1, 2)[:, p.offset : p.offset + num_keys]
+    hq, hkv = q.shape[1], kv.shape[2]
+    keys = kv[0].to(q.dtype).repeat_interleave(hq // hkv, dim=1)
+    values = kv[1].to(q.dtype).repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~p.visible, float("-inf"))
+    probs = F.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, values)
