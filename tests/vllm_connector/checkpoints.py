@@ -14,11 +14,9 @@ from tests import checkpoints as base
 VOCAB = 300
 
 
-def gemma3(folder: Path) -> Path:
-    return base.gemma3(
-        folder.parent,
-        name=folder.name,
-        tokenizer_vocab=VOCAB,
+def gemma3(folder: Path, **overrides) -> Path:
+    """`overrides`: config fields to change (e.g. the bench's larger sizes)."""
+    fields = dict(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=192,
@@ -30,13 +28,15 @@ def gemma3(folder: Path) -> Path:
         layer_types=["sliding_attention", "full_attention"] * 2,
         query_pre_attn_scalar=64,
     )
+    fields.update(overrides)
+    return base.gemma3(
+        folder.parent, name=folder.name, tokenizer_vocab=fields["vocab_size"], **fields
+    )
 
 
-def granite_hybrid(folder: Path) -> Path:
-    return base.granite_hybrid(
-        folder.parent,
-        name=folder.name,
-        tokenizer_vocab=VOCAB,
+def granite_hybrid(folder: Path, **overrides) -> Path:
+    """As gemma3."""
+    fields = dict(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=64,
@@ -46,6 +46,10 @@ def granite_hybrid(folder: Path) -> Path:
         mamba_n_heads=4,
         mamba_n_groups=1,
         mamba_d_head=64,
+    )
+    fields.update(overrides)
+    return base.granite_hybrid(
+        folder.parent, name=folder.name, tokenizer_vocab=fields["vocab_size"], **fields
     )
 
 
