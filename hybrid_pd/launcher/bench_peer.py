@@ -25,8 +25,8 @@ from typing import Any
 
 from hybrid_pd.launcher.bench_peer_vllm import Timing, rates, timed_steps
 
-LOAD_TIMEOUT_S = 900.0
-RUN_TIMEOUT_S = 1800.0
+LOAD_TIMEOUT_S = 900.0  # vLLM's import and load on a busy machine
+RUN_TIMEOUT_S = 1800.0  # one batch's generate
 WARMUP = (
     "after loading, each side ran one untimed generate (largest batch, 16-token prompts, "
     "2 tokens); reps alternate ours/vLLM per batch size; figures are medians over reps"
@@ -102,8 +102,13 @@ class VllmPeer:
             start_new_session=True,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self._responsive = True
         threading.Thread(target=self._read, daemon=True).start()
-        self.info = self._reply(LOAD_TIMEOUT_S)
+        try:
+            self.info = self._reply(LOAD_TIMEOUT_S)
+        except BaseException:  # a failed or interrupted load must not leave the child behind
+            self.close()
+            raise
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -115,6 +120,7 @@ class VllmPeer:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
+            self._responsive = False  # close() goes straight to signals
             msg = f"vLLM peer gave no answer in {timeout:.0f} s{self._tail()}"
             raise TimeoutError(msg) from None
         if line is None:
@@ -139,7 +145,19 @@ class VllmPeer:
         return Timing(r["prefill_s"], r["decode_s"], r["token_ids"])
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        try:
+            self._stop()
+        finally:  # even when interrupted while stopping
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            self.log.close()
+        # a run that ended well needs no log; a failed one named it in its error
+        if self.proc.returncode == 0:
+            Path(self.log.name).unlink(missing_ok=True)
+
+    def _stop(self) -> None:
+        if self.proc.poll() is None and self._responsive:
             try:
                 assert self.proc.stdin is not None
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
@@ -147,18 +165,12 @@ class VllmPeer:
                 self.proc.wait(30)
             except (OSError, ValueError, subprocess.TimeoutExpired):
                 pass
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            if self.proc.poll() is not None:
-                break
+        if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(wait)
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(30)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
-        self.log.close()
-        # a run that ended well needs no log; a failed one named it in its error
-        if self.proc.returncode == 0:
-            Path(self.log.name).unlink(missing_ok=True)
 
     def __enter__(self) -> VllmPeer:
         return self
