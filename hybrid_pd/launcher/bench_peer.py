@@ -75,13 +75,15 @@ class VllmPeer:
         full.update(
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",
             VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cpus)),
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",  # step() runs the model in this process
             TOKENIZERS_PARALLELISM="false",
         )
         for lib in TCMALLOC:
             if Path(lib).exists():
                 full["LD_PRELOAD"] = lib
                 break
+        # vLLM's CPU build binds OpenMP threads only in its multiprocess executor (the in-process
+        # one runs unbound, with stray busy threads), so the engine core keeps its own process.
+        full.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         full.update(env)
         full["PYTHONPATH"] = os.pathsep.join(p for p in (root, full.get("PYTHONPATH")) if p)
         self.log = tempfile.NamedTemporaryFile(  # closed in close()
