@@ -5,6 +5,7 @@ tests/vllm_connector/test_bench_engine.py."""
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -50,7 +51,9 @@ def _peer(python: str, tmp_path: Path) -> VllmPeer:
     )
 
 
-def _record_children(monkeypatch) -> list:
+def _record_children(monkeypatch, tmp_path: Path) -> list:
+    """The children VllmPeer starts; their logs (kept when they fail) go to tmp_path."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     procs = []
     real_popen = bench_peer.subprocess.Popen
 
@@ -64,7 +67,7 @@ def _record_children(monkeypatch) -> list:
 
 def test_a_child_that_cannot_load_is_reported_and_gone(tmp_path, monkeypatch):
     # this Python has no vLLM (or, under vLLM's, no checkpoint): the child says why and exits
-    procs = _record_children(monkeypatch)
+    procs = _record_children(monkeypatch, tmp_path)
     with pytest.raises(RuntimeError, match="vLLM peer"):
         _peer(sys.executable, tmp_path)
     assert procs and procs[0].poll() is not None
@@ -75,7 +78,7 @@ def test_a_hanging_child_times_out_and_is_killed(tmp_path, monkeypatch):
     fake.write_text("#!/bin/sh\nexec sleep 600\n")
     fake.chmod(0o755)
     monkeypatch.setattr(bench_peer, "LOAD_TIMEOUT_S", 1.0)
-    procs = _record_children(monkeypatch)
+    procs = _record_children(monkeypatch, tmp_path)
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="no answer"):
         _peer(str(fake), tmp_path)
