@@ -74,3 +74,40 @@ def qwen3_5(folder: Path) -> Path:
             },
         )
     return folder
+
+
+def granite_hybrid_62m(folder: Path) -> Path:
+    """Granite-4.0-H-like at the size `bench engine --peer vllm` is run on (docs/vllm.md):
+    hidden 512, 8 Mamba2 + 2 attention layers, 4 experts (top 2), vocab 32000, tied."""
+    return granite_hybrid(
+        folder,
+        vocab_size=32000,
+        hidden_size=512,
+        num_hidden_layers=10,
+        layer_types=["mamba"] * 4 + ["attention"] + ["mamba"] * 4 + ["attention"],
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        shared_intermediate_size=1024,
+        mamba_n_heads=16,
+        mamba_d_state=64,
+        mamba_chunk_size=256,
+        initializer_range=0.05,
+        tie_word_embeddings=True,
+    )
+
+
+def gemma3_62m(folder: Path) -> Path:
+    """Gemma-3-like at the bench's size: hidden 512, 10 sliding-window (128) + 2 full
+    attention layers, vocab 32000."""
+    return gemma3(
+        folder,
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        sliding_window=128,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2,
+    )
