@@ -24,13 +24,38 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--json", action="store_true")
     k.set_defaults(func=_cmd_bench_kvcache)
-    e = bsub.add_parser("engine", help="prefill/decode tokens/s next to transformers")
+    e = bsub.add_parser(
+        "engine",
+        help="prefill/decode tokens/s next to transformers, or next to vLLM (--peer vllm)",
+        description="Prefill and decode tokens/s of our engine next to transformers' generate "
+        "(same process), or with `--peer vllm` next to vLLM's offline engine on the same "
+        "checkpoint, run under vLLM's own Python and alternated rep by rep: e.g. "
+        "`hybrid-pd bench engine --model PATH --peer vllm --peer-python .venv-vllm/bin/python "
+        "--batch-sizes 1,8,32 --threads 1 --json` (see docs/vllm.md).",
+    )
     e.add_argument("--model", default="tiny")
     e.add_argument("--prompt-len", type=int, default=256)
     e.add_argument("--decode-tokens", type=int, default=32)
     e.add_argument("--batch-sizes", default="1,32")
     e.add_argument("--no-transformers", action="store_true", help="skip the reference")
-    e.add_argument("--threads", type=int, default=None, help="torch threads (default: CPUs)")
+    e.add_argument(
+        "--peer", choices=("vllm",), default=None, help="compare with vLLM instead of transformers"
+    )
+    e.add_argument(
+        "--peer-python",
+        default=None,
+        help="the Python that has vLLM (default: $HYBRID_PD_VLLM_PYTHON)",
+    )
+    e.add_argument("--peer-env", action="append", default=[], help="KEY=VALUE for the vLLM process")
+    e.add_argument("--reps", type=int, default=2, help="alternating repetitions (--peer)")
+    e.add_argument("--dtype", default=None, help="default: the checkpoint's, else float32")
+    e.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for each side (default: this process's CPUs; --peer: 1)",
+    )
+    e.add_argument("--seed", type=int, default=0, help="prompt ids (--peer)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_bench_engine)
     add_bench_vllm(bsub)
@@ -213,6 +238,7 @@ def bench_engine(
     batch_sizes: list[int],
     with_transformers: bool = True,
     threads: int | None = None,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     """Prefill and decode throughput of our engine and of transformers' generate, same
     checkpoint, same prompts, same process. Prefill time is the time to the first token;
@@ -227,7 +253,7 @@ def bench_engine(
 
     threads = set_torch_threads(threads)
     path = resolve_model(model_name)
-    model, config, tok = load_model(path)
+    model, config, tok = load_model(path, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
     hf = None
@@ -309,6 +335,8 @@ class _TokenClock:
 
 def _cmd_bench_engine(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    if args.peer == "vllm":
+        return _cmd_bench_engine_peer(args, sizes)
     result = bench_engine(
         args.model,
         args.prompt_len,
@@ -316,12 +344,32 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
         sizes,
         not args.no_transformers,
         threads=args.threads,
+        dtype=args.dtype,
     )
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         for r in result["runs"]:
             print(", ".join(f"{k}={v}" for k, v in r.items()))
+    return 0
+
+
+def _cmd_bench_engine_peer(args: argparse.Namespace, sizes: list[int]) -> int:
+    from hybrid_pd.launcher.bench_peer import bench_engine_peer, parse_env, peer_python, summary
+
+    result = bench_engine_peer(
+        args.model,
+        args.prompt_len,
+        args.decode_tokens,
+        sizes,
+        peer_python=peer_python(args.peer_python),
+        reps=args.reps,
+        dtype=args.dtype,
+        threads=args.threads or 1,
+        peer_env=parse_env(args.peer_env),
+        seed=args.seed,
+    )
+    print(json.dumps(result, indent=2) if args.json else summary(result))
     return 0
 
 

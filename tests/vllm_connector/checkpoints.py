@@ -14,11 +14,9 @@ from tests import checkpoints as base
 VOCAB = 300
 
 
-def gemma3(folder: Path) -> Path:
-    return base.gemma3(
-        folder.parent,
-        name=folder.name,
-        tokenizer_vocab=VOCAB,
+def gemma3(folder: Path, **overrides) -> Path:
+    """`overrides`: config fields to change (e.g. the bench's larger sizes)."""
+    fields = dict(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=192,
@@ -30,13 +28,15 @@ def gemma3(folder: Path) -> Path:
         layer_types=["sliding_attention", "full_attention"] * 2,
         query_pre_attn_scalar=64,
     )
+    fields.update(overrides)
+    return base.gemma3(
+        folder.parent, name=folder.name, tokenizer_vocab=fields["vocab_size"], **fields
+    )
 
 
-def granite_hybrid(folder: Path) -> Path:
-    return base.granite_hybrid(
-        folder.parent,
-        name=folder.name,
-        tokenizer_vocab=VOCAB,
+def granite_hybrid(folder: Path, **overrides) -> Path:
+    """As gemma3."""
+    fields = dict(
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=64,
@@ -46,6 +46,10 @@ def granite_hybrid(folder: Path) -> Path:
         mamba_n_heads=4,
         mamba_n_groups=1,
         mamba_d_head=64,
+    )
+    fields.update(overrides)
+    return base.granite_hybrid(
+        folder.parent, name=folder.name, tokenizer_vocab=fields["vocab_size"], **fields
     )
 
 
@@ -70,3 +74,40 @@ def qwen3_5(folder: Path) -> Path:
             },
         )
     return folder
+
+
+def granite_hybrid_62m(folder: Path) -> Path:
+    """Granite-4.0-H-like at the size `bench engine --peer vllm` is run on (docs/vllm.md):
+    hidden 512, 8 Mamba2 + 2 attention layers, 4 experts (top 2), vocab 32000, tied."""
+    return granite_hybrid(
+        folder,
+        vocab_size=32000,
+        hidden_size=512,
+        num_hidden_layers=10,
+        layer_types=["mamba"] * 4 + ["attention"] + ["mamba"] * 4 + ["attention"],
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        shared_intermediate_size=1024,
+        mamba_n_heads=16,
+        mamba_d_state=64,
+        mamba_chunk_size=256,
+        initializer_range=0.05,
+        tie_word_embeddings=True,
+    )
+
+
+def gemma3_62m(folder: Path) -> Path:
+    """Gemma-3-like at the bench's size: hidden 512, 10 sliding-window (128) + 2 full
+    attention layers, vocab 32000."""
+    return gemma3(
+        folder,
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        sliding_window=128,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2,
+    )

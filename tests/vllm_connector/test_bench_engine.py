@@ -1,0 +1,52 @@
+"""`hybrid-pd bench engine --peer vllm`: our engine and vLLM's on one small checkpoint, with
+the figures' shape and the greedy tokens of both sides (fp32: they must be equal)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import pytest
+
+from hybrid_pd.launcher.bench import add_bench
+from tests.vllm_connector import checkpoints
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_engine_against_vllm(tmp_path, capsys):
+    model = checkpoints.granite_hybrid(tmp_path / "ckpt")
+    parser = argparse.ArgumentParser()
+    add_bench(parser.add_subparsers())
+    args = parser.parse_args(
+        ["bench", "engine", "--model", str(model), "--peer", "vllm", "--peer-python",
+         sys.executable, "--batch-sizes", "1,2", "--prompt-len", "40", "--decode-tokens", "4",
+         "--reps", "2", "--threads", "1", "--dtype", "float32", "--json"]
+    )  # fmt: skip
+    assert args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["peer"] == "vllm" and out["reps"] == 2
+    assert out["dtype"] == {"ours": "float32", "vllm": "float32"}
+    assert out["threads"]["ours"] == out["threads"]["vllm"] == 1
+    assert out["versions"]["vllm"] and out["versions"]["torch"]
+    assert [r["batch_size"] for r in out["runs"]] == [1, 2]
+    for r in out["runs"]:
+        for side in ("ours", "vllm"):
+            for phase in ("prefill", "decode"):
+                assert r[f"{side}_{phase}_tokens_per_s"] > 0
+                reps = r[f"{side}_{phase}_tokens_per_s_reps"]
+                assert len(reps) == 2 and min(reps) > 0
+        assert r["prefill_ratio"] > 0 and r["decode_ratio"] > 0
+        ours, theirs = r["ours_token_ids_rep0"], r["vllm_token_ids_rep0"]
+        assert len(ours) == r["batch_size"] and all(len(ids) == 4 for ids in ours)
+        assert ours == theirs, (ours, theirs)
+        assert r["greedy_equal_sequences"] == r["batch_size"]
+
+
+def test_missing_peer_python_names_the_flag(monkeypatch):
+    from hybrid_pd.launcher.bench_peer import peer_python
+
+    monkeypatch.delenv("HYBRID_PD_VLLM_PYTHON", raising=False)
+    with pytest.raises(SystemExit, match="--peer-python"):
+        peer_python(None)
