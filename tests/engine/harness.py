@@ -96,3 +96,29 @@ class PagedRunner:
             self.mgr.free(rid)
         self.mgr.check_integrity()
         return [t[len(p) :] for t, p in zip(tokens, prompts, strict=True)], first_logits
+
+
+def mixed_step(model, config):
+    """Two steps of a PagedRunner: a and b prefill, then a and b decode one token each with
+    c's prefill between them (token rows 0 and 5 decode). Returns (the second step's
+    ForwardBatch, the runner), for checks of what one step builds once and shares."""
+    from tests.engine.mamba2_parity import prompt
+
+    runner = PagedRunner(model, config)
+    seen = []
+
+    class Recorder:
+        def __call__(self, batch):
+            seen.append(batch)
+            return model(batch)
+
+        def compute_logits(self, hidden):
+            return model.compute_logits(hidden)
+
+    runner.model = Recorder()
+    a, b, c = prompt(3, 1), prompt(5, 2), prompt(4, 3)
+    runner.step([("a", a, a), ("b", b, b)])
+    a.append(7)
+    b.append(9)
+    runner.step([("a", a, [7]), ("c", c, c), ("b", b, [9])])
+    return seen[-1], runner

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from hybrid_pd.engine import paged_attention
 from hybrid_pd.engine.loader import load_model
 from tests import checkpoints
-from tests.engine.harness import PagedRunner
+from tests.engine.harness import PagedRunner, mixed_step
 from tests.engine.mamba2_parity import NEW, Reference, prompt
 
 TOL = 2e-5  # of the largest logit: float32, SDPA vs einsum order over 24 steps
@@ -97,24 +97,8 @@ def test_mixed_batches_match_the_loop_and_transformers(arch, block_size, monkeyp
 def test_plan_is_built_once_per_step_and_group(arch):
     """Every attention layer of a group shares one plan: decode rows plus looped chunks."""
     _, model, config, _ = arch
-    runner = PagedRunner(model, config)
-    seen = []
-
-    class Recorder:
-        def __call__(self, batch):
-            seen.append(batch)
-            return model(batch)
-
-        def compute_logits(self, hidden):
-            return model.compute_logits(hidden)
-
-    runner.model = Recorder()
-    a, b, c = prompt(3, 1), prompt(5, 2), prompt(4, 3)
-    runner.step([("a", a, a), ("b", b, b)])
-    a.append(7)
-    b.append(9)
-    runner.step([("a", a, [7]), ("c", c, c), ("b", b, [9])])
-    plans = {k: v for k, v in seen[-1].memo.items() if k[0] == "attention"}
+    batch, runner = mixed_step(model, config)
+    plans = {k: v for k, v in batch.memo.items() if k[0] == "attention"}
     groups = {g.group_id for g in runner.config.groups if not g.is_state}
     assert {k[1] for k in plans} == groups
     for plan in plans.values():

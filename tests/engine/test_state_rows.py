@@ -14,7 +14,7 @@ from hybrid_pd.engine import paged
 from hybrid_pd.engine.engine import Engine, EngineConfig
 from hybrid_pd.engine.loader import load_model
 from tests import checkpoints
-from tests.engine.harness import PagedRunner
+from tests.engine.harness import PagedRunner, mixed_step
 from tests.engine.mamba2_parity import GREEDY, NEW, Reference, prompt
 
 TOL = 2e-5  # of the largest logit: float32 rounding over 24 steps, batched vs looped order
@@ -104,24 +104,7 @@ def test_mixed_batches_match_the_loop_and_transformers(arch, block_size, monkeyp
 def test_split_is_built_once_per_step_and_group(arch):
     """The rows are shared by every state layer of a group: one split per group and step."""
     _, model, config, _, _ = arch
-    runner = PagedRunner(model, config)
-    seen = []
-
-    class Recorder:
-        def __call__(self, batch):
-            seen.append(batch)
-            return model(batch)
-
-        def compute_logits(self, hidden):
-            return model.compute_logits(hidden)
-
-    runner.model = Recorder()
-    a, b, c = prompt(3, 1), prompt(5, 2), prompt(4, 3)
-    runner.step([("a", a, a), ("b", b, b)])
-    a.append(7)
-    b.append(9)
-    runner.step([("a", a, [7]), ("c", c, c), ("b", b, [9])])
-    batch = seen[-1]
+    batch, runner = mixed_step(model, config)
     state_groups = {g.group_id for g in runner.config.groups if g.is_state}
     splits = {k: v for k, v in batch.memo.items() if k[0] == "state_rows"}
     assert {key[1] for key in splits} == state_groups

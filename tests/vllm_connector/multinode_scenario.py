@@ -23,6 +23,7 @@ def main() -> int:
     from hybrid_pd.proto import worker_pb2 as pb
     from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
     from tests.vllm_connector import checkpoints
+    from tests.vllm_connector.serve_scenario import compare, samples
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--address", required=True)
@@ -74,15 +75,7 @@ def main() -> int:
                     timeout=300,
                 )
                 want.append([t for chunk in alone for t in chunk.token_ids])
-            result["equal"] = got == want
-            result["got"], result["want"] = got, want
-            result["distinct"] = len({json.dumps(w) for w in want}) == len(want)
-            metrics = c.get("/metrics").text
-            result["disaggregated"] = [
-                float(line.split()[-1])
-                for line in metrics.splitlines()
-                if line.startswith('hybrid_pd_proxy_routes_total{route="disaggregated"}')
-            ]
+            result.update(compare(got, want, c.get("/metrics").text))
         # The decode server's own counters (its HTTP port is on its host's loopback).
         import ray
 
@@ -92,11 +85,7 @@ def main() -> int:
             ["ip", "netns", "exec", args.decode_netns, sys.executable, "-c", read, url],
             capture_output=True, text=True, timeout=60, check=True,
         ).stdout  # fmt: skip
-        result["pulls"] = sum(
-            float(line.split()[-1])
-            for line in text.splitlines()
-            if line.startswith("hybrid_pd_kv_pulls_total")
-        )
+        result["pulls"] = sum(samples(text, "hybrid_pd_kv_pulls_total"))
     finally:
         dep.close()
     print(json.dumps(result), flush=True)

@@ -12,6 +12,25 @@ import tempfile
 from pathlib import Path
 
 
+def samples(metrics: str, prefix: str) -> list[float]:
+    """The values of the Prometheus samples whose line starts with `prefix`."""
+    return [float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith(prefix)]
+
+
+def compare(got: list, want: list, proxy_metrics: str) -> dict:
+    """What a scenario reports: the proxy's answers against one instance's, whether the
+    references differ from prompt to prompt, and the proxy's disaggregated route count."""
+    return {
+        "equal": got == want,
+        "got": got,
+        "want": want,
+        "distinct": len({json.dumps(w) for w in want}) == len(want),
+        "disaggregated": samples(
+            proxy_metrics, 'hybrid_pd_proxy_routes_total{route="disaggregated"}'
+        ),
+    }
+
+
 def main() -> int:
     import httpx
 
@@ -54,21 +73,8 @@ def main() -> int:
                 got.append(r.json()["choices"][0]["token_ids"] if r.status_code == 200 else r.text)
                 ref = single.post("/v1/completions", json={**body, "model": served, "prompt": p})
                 want.append(ref.json()["choices"][0]["token_ids"])
-            result["equal"] = got == want
-            result["got"], result["want"] = got, want
-            result["distinct"] = len({json.dumps(w) for w in want}) == len(want)
-            metrics = c.get("/metrics").text
-            result["disaggregated"] = [
-                float(line.split()[-1])
-                for line in metrics.splitlines()
-                if line.startswith('hybrid_pd_proxy_routes_total{route="disaggregated"}')
-            ]
-            pulls = [
-                float(line.split()[-1])
-                for line in single.get("/metrics").text.splitlines()
-                if line.startswith("hybrid_pd_kv_pulls_total")
-            ]
-            result["pulls"] = sum(pulls)
+            result.update(compare(got, want, c.get("/metrics").text))
+            result["pulls"] = sum(samples(single.get("/metrics").text, "hybrid_pd_kv_pulls_total"))
     finally:
         dep.close()
     print(json.dumps(result))
