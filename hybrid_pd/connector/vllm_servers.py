@@ -163,8 +163,19 @@ class Server:
         """Prometheus samples whose names start with `prefixes`, summed over labels."""
         return parse_metrics(self.client.get("/metrics").text, prefixes)
 
+    def pause(self) -> None:
+        """Stop every process of the server (SIGSTOP to its process group): it takes no CPU
+        until `resume`. For benchmarks running several servers on the same cores."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)  # a paused server cannot exit
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(30)

@@ -108,6 +108,14 @@ class _Pair:
         self.prefill.stop()
         self.decode.stop()
 
+    def pause(self) -> None:
+        self.prefill.pause()
+        self.decode.pause()
+
+    def resume(self) -> None:
+        self.prefill.resume()
+        self.decode.resume()
+
     def run(self, body: dict) -> dict[str, Any]:
         t0 = time.perf_counter()
         pre = self.prefill.complete(
@@ -169,7 +177,16 @@ def bench_vllm(args: argparse.Namespace) -> dict[str, Any]:
             for i, q in enumerate(prompts):
                 order = pairs if (rep + i) % 2 == 0 else pairs[::-1]
                 for p in order:
-                    r = p.run({**base, "prompt": q, "max_tokens": args.max_tokens})
+                    # The other connectors' servers share these cores: paused, their
+                    # background threads (NIXL's progress thread polls) take no CPU.
+                    for other in pairs:
+                        if other is not p:
+                            other.pause()
+                    try:
+                        r = p.run({**base, "prompt": q, "max_tokens": args.max_tokens})
+                    finally:
+                        for other in pairs:
+                            other.resume()
                     r.update(prompt_len=len(q), rep=rep, agree=_agree(r["ids"], refs[i]))
                     r["exact"] = r["ids"] == refs[i]
                     rows[p.name].append(r)
