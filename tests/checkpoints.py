@@ -286,6 +286,47 @@ def nemotron_h(
     return _save(model, root / name, tokenizer_vocab)
 
 
+def jamba(root: Path, name: str = "jamba", tokenizer_vocab: int | None = None, **overrides):
+    """Five layers: attention at 1 and 4 (period 3, offset 1), Mamba1 at 0, 2, 3; MoE (4
+    experts, top 2) at 1 and 3; dt rank 8, projection biases. Weights: transformers' init at
+    std 0.2, then A and the dt bias spread so that channels decay at different rates, a random
+    D, random biases and norm weights (dt / B / C layernorms included)."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(
+        _MAMBA2,
+        intermediate_size=48,
+        num_hidden_layers=5,
+        attn_layer_period=3,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=8,
+        mamba_proj_bias=True,
+    )
+    fields.update(overrides)
+    model = transformers.JambaForCausalLM(transformers.JambaConfig(**fields)).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("A_log"):
+                p.uniform_(-1.0, 1.5)
+            elif param_name.endswith("dt_proj.bias"):
+                p.uniform_(-2.0, 0.5)
+            elif param_name.endswith(".D"):
+                p.normal_(0.0, 1.0)
+            elif param_name.endswith("bias"):
+                p.normal_(0.0, 0.3)
+            elif "norm" in param_name:
+                p.normal_(1.0, 0.3)
+    return _save(model, root / name, tokenizer_vocab)
+
+
 def _save(model, folder: Path, tokenizer_vocab: int | None = None) -> Path:
     if not (folder / "config.json").exists():
         model.save_pretrained(folder, safe_serialization=True)
@@ -300,6 +341,7 @@ BUILDERS = {
     "granite_hybrid": granite_hybrid,
     "bamba": bamba,
     "nemotron_h": nemotron_h,
+    "jamba": jamba,
     "gemma3": gemma3,
     "llama": llama,
     "mistral": mistral,

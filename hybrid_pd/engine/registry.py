@@ -14,6 +14,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5:Qwen3_5ForCausalLM",
     "GraniteMoeHybridForCausalLM": "granite_hybrid:GraniteMoeHybridForCausalLM",
     "BambaForCausalLM": "bamba:BambaForCausalLM",
+    "JambaForCausalLM": "jamba:JambaForCausalLM",
     "NemotronHForCausalLM": "nemotron_h:NemotronHForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3ForCausalLM",

@@ -1,7 +1,7 @@
-"""Batched state updates (`paged.split_state_seqs`) in mixed batches, for the Mamba2 hybrids
-and Gated DeltaNet: the one-token sequences of a step go through one stacked update, the
-others through the per-sequence loop. Every step's logits must equal a run that loops over
-all sequences, and the greedy tokens must equal transformers'."""
+"""Batched state updates (`paged.split_state_seqs`) in mixed batches, for the Mamba2 hybrids,
+Jamba (Mamba1) and Gated DeltaNet: the one-token sequences of a step go through one stacked
+update, the others through the per-sequence loop. Every step's logits must equal a run that
+loops over all sequences, and the greedy tokens must equal transformers'."""
 
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module", params=["granite_hybrid", "bamba", "nemotron_h", "qwen3_5"])
+@pytest.fixture(
+    scope="module", params=["granite_hybrid", "bamba", "nemotron_h", "jamba", "qwen3_5"]
+)
 def arch(request, tmp_path_factory):
     path = getattr(checkpoints, request.param)(tmp_path_factory.mktemp(request.param))
     model, config, tok = load_model(path)

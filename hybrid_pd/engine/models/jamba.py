@@ -1,0 +1,194 @@
+"""Jamba (transformers ``JambaForCausalLM``): Mamba1 + attention hybrid with MoE.
+
+Layer i is attention when ``i % attn_layer_period == attn_layer_offset``, Mamba1 otherwise
+(the split is read from the layer cache specs of `kvcache.hf_configs`, so the model and the
+pool agree); its feed-forward is a top-k MoE when ``i % expert_layer_period ==
+expert_layer_offset``, a SwiGLU MLP otherwise. Per layer:
+
+    x += mixer(input_layernorm(x))            mixer: Mamba1 (`mamba1.py`) or attention
+    x += feed_forward(pre_ff_layernorm(x))
+
+then ``final_layernorm`` and ``lm_head`` (tied to the embedding with ``tie_word_embeddings``).
+Attention has no positional embedding (the Mamba layers carry position), softmax scale
+head_dim^-0.5. The MoE router takes the top k of the softmax over all experts and leaves the
+selected weights unnormalised. RMS norms apply their weight after the cast back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.attention import PagedSelfAttention
+from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
+from hybrid_pd.engine.models.mamba1 import Mamba1Dims, Mamba1Mixer, check_state_spec
+from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
+from hybrid_pd.kvcache.specs import AttentionSpec, LayerSpec, StateSpec
+
+_ARCH = "Jamba"
+
+
+def _int(c: Mapping[str, Any], key: str, default: int | None = None, low: int = 1) -> int:
+    value = c.get(key, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(
+            f"{_ARCH}: config field {key!r} must be an integer >= {low}, got {value!r}"
+        )
+    return value
+
+
+class _Settings:
+    """A Jamba config dict, validated, with JambaConfig's defaults."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        c = config.get("text_config") or config
+        self.vocab = _int(c, "vocab_size", 65536)
+        self.hidden = _int(c, "hidden_size", 4096)
+        self.intermediate = _int(c, "intermediate_size", 14336)
+        self.num_heads = _int(c, "num_attention_heads", 32)
+        self.eps = float(c.get("rms_norm_eps") or 1e-6)
+        self.act = c.get("hidden_act") or "silu"
+        self.tie = bool(c.get("tie_word_embeddings") or False)
+        specs = cache_spec_from_config(dict(config), dtype="float32").layers
+        n = _int(c, "num_hidden_layers", 32)
+        self.specs: list[LayerSpec] = [specs[f"model.layers.{i}"] for i in range(n)]
+
+        self.num_experts = _int(c, "num_experts", c.get("num_local_experts", 16))
+        self.top_k = _int(c, "num_experts_per_tok", 2)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"{_ARCH}: num_experts_per_tok exceeds num_experts")
+        period = _int(c, "expert_layer_period", 2)
+        offset = _int(c, "expert_layer_offset", 1, low=0)
+        self.moe = [self.num_experts > 1 and i % period == offset for i in range(n)]
+
+        rank = c.get("mamba_dt_rank", "auto")
+        dt_rank = math.ceil(self.hidden / 16) if rank in (None, "auto") else int(rank)
+        self.mamba = Mamba1Dims(
+            hidden=self.hidden,
+            inner=_int(c, "mamba_expand", 2) * self.hidden,
+            state=_int(c, "mamba_d_state", 16),
+            conv_kernel=_int(c, "mamba_d_conv", 4),
+            dt_rank=dt_rank,
+            eps=self.eps,
+            act=self.act,
+            conv_bias=bool(c.get("mamba_conv_bias", True)),
+            proj_bias=bool(c.get("mamba_proj_bias") or False),
+        )
+
+
+class SparseMoE(nn.Module):
+    """Top-k experts of the softmax over all router logits (weights not renormalised).
+    Checkpoint names: router.weight [E, hidden], experts.{e}.{gate,up,down}_proj.weight."""
+
+    def __init__(self, s: _Settings) -> None:
+        super().__init__()
+        self.top_k = s.top_k
+        self.router = nn.Linear(s.hidden, s.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            GatedMLP(s.hidden, s.intermediate, s.act) for _ in range(s.num_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        top_w, top_idx = probs.topk(self.top_k, dim=-1)
+        top_w = top_w.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in top_idx.unique().tolist():
+            token, slot = torch.nonzero(top_idx == e, as_tuple=True)
+            y = self.experts[e](x[token])
+            out.index_add_(0, token, y * top_w[token, slot, None])
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: _Settings, idx: int) -> None:
+        super().__init__()
+        name = f"model.layers.{idx}"
+        spec = s.specs[idx]
+        self.input_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
+        self.pre_ff_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
+        self.feed_forward = (
+            SparseMoE(s) if s.moe[idx] else GatedMLP(s.hidden, s.intermediate, s.act)
+        )
+        if isinstance(spec, StateSpec):
+            check_state_spec(s.mamba, spec, name, _ARCH)
+            self.mamba = Mamba1Mixer(s.mamba, name)
+            self.self_attn = None
+        elif isinstance(spec, AttentionSpec):
+            self.self_attn = PagedSelfAttention(name, s.hidden, s.num_heads, spec)
+            self.mamba = None
+        else:
+            raise ValueError(f"{_ARCH}: {name} has an unexpected cache spec {spec!r}")
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        h = self.mamba(h, batch) if self.mamba is not None else self.self_attn(h, batch)
+        x = x + h
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, s: _Settings) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(len(s.specs)))
+        self.final_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
+
+
+class JambaForCausalLM(nn.Module):
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.settings = s = _Settings(config)
+        self.model = _Backbone(s)
+        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        embed = self.model.embed_tokens
+        x = embed(batch.input_ids.to(embed.weight.device))
+        for layer in self.model.layers:
+            x = layer(x, batch)
+        return self.model.final_layernorm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing weights
+        raise (KeyError / ValueError), naming the tensor. Fused expert tensors (transformers'
+        in-memory ``experts.gate_up_proj`` / ``experts.down_proj``) are split per expert."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for key, tensor in weights:
+            if key == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to the embedding
+            for name, part in _unfused(key, tensor):
+                copy_weight(params, name, part, _ARCH, key)
+                loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise KeyError(f"{_ARCH}: weights missing from the checkpoint: {missing[:8]}")
+
+
+def _unfused(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(our name, tensor) pairs for one checkpoint tensor."""
+    if key.endswith("experts.gate_up_proj"):  # [E, 2I, hidden]: gate rows, then up rows
+        base = key[: -len("gate_up_proj")]
+        pairs = []
+        for e, w in enumerate(tensor):
+            gate, up = w.chunk(2, dim=0)
+            pairs += [(f"{base}{e}.gate_proj.weight", gate), (f"{base}{e}.up_proj.weight", up)]
+        return pairs
+    if key.endswith("experts.down_proj"):  # [E, hidden, I]
+        base = key[: -len("down_proj")]
+        return [(f"{base}{e}.down_proj.weight", w) for e, w in enumerate(tensor)]
+    return [(key, tensor)]
