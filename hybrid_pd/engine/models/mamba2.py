@@ -107,18 +107,20 @@ def _ssd_chunked(x, dt, a_coef, b, c, chunk: int, h0: torch.Tensor, offset: int)
     dev = x.device
     # seg[c, h, s, l] = sum of log_a over s < k <= l, built by a masked cumulative sum. The
     # sum runs along the last, contiguous dim: 3-4x faster than along a strided one, and the
-    # same additions in the same order. decay is read as [c, l, s, h] below.
+    # same additions in the same order. Everything [Q, Q] below keeps this [c, h, s, l] layout
+    # so the elementwise work runs on contiguous memory.
     after = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu(1)  # [s, k]: k > s
     seg = (log_a.transpose(1, 2)[:, :, None, :] * after[None, None]).cumsum(dim=-1)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu()  # [s, l]: l >= s
-    decay = torch.exp(seg.masked_fill_(~causal, -math.inf)).permute(0, 3, 2, 1)
+    decay = torch.exp(seg.masked_fill_(~causal, -math.inf))  # [nc, H, Q(s), Q(l)]
 
     # within a chunk: attention-like mixing with the decay as mask
-    weights = torch.einsum("clhn,cshn->clsh", cq, bq) * decay
-    y = torch.einsum("clsh,cshp->clhp", weights, xdt)
+    bh, ch, xh = (t.transpose(1, 2) for t in (bq, cq, xdt))  # [nc, H, Q, N or P]
+    weights = torch.matmul(bh, ch.transpose(-1, -2)).mul_(decay)  # [nc, H, Q(s), Q(l)]
+    y = torch.matmul(weights.transpose(-1, -2), xh).transpose(1, 2)  # [nc, Q(l), H, P]
 
     # what each chunk adds to the state by its end, starting from zero
-    to_end = decay[:, -1]  # [nc, Q(s), H]: decay from s to the chunk's last position
+    to_end = decay[..., -1].transpose(1, 2)  # [nc, Q(s), H]: decay from s to the chunk's end
     added = torch.einsum("cshn,csh,cshp->chpn", bq, to_end, xdt)
     whole = torch.exp(log_a.sum(dim=1))  # [nc, H]: decay over a whole chunk
 
