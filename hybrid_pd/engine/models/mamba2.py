@@ -105,12 +105,14 @@ def _ssd_chunked(x, dt, a_coef, b, c, chunk: int, h0: torch.Tensor, offset: int)
     bq, cq = chunks(b), chunks(c)  # [nc, Q, H, N]
 
     dev = x.device
-    # seg[c, h, s, l] = sum of log_a over s < k <= l, built by a masked cumulative sum. The
-    # sum runs along the last, contiguous dim: 3-4x faster than along a strided one, and the
-    # same additions in the same order. Everything [Q, Q] below keeps this [c, h, s, l] layout
-    # so the elementwise work runs on contiguous memory.
-    after = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu(1)  # [s, k]: k > s
-    seg = (log_a.transpose(1, 2)[:, :, None, :] * after[None, None]).cumsum(dim=-1)
+    # seg[c, h, s, l] = sum of log_a over s < k <= l, as a difference of float64 prefix sums.
+    # A float64 sum of a chunk of float32 terms is exact unless their magnitudes span more than
+    # ~2^20, so after the cast this matches summing each segment on its own (transformers'
+    # masked cumulative sum, which accumulates in float64 on CPU too) without its [Q, Q]
+    # cumulative sum. Everything [Q, Q] below keeps this [c, h, s, l] layout so the
+    # elementwise work runs on contiguous memory.
+    prefix = log_a.double().cumsum(dim=1).transpose(1, 2)  # [nc, H, Q]
+    seg = (prefix[:, :, None, :] - prefix[:, :, :, None]).to(log_a.dtype)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu()  # [s, l]: l >= s
     decay = torch.exp(seg.masked_fill_(~causal, -math.inf))  # [nc, H, Q(s), Q(l)]
 
