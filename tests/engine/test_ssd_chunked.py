@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid_pd.engine.models.mamba2 import _ssd_chunked, _ssd_step
+from hybrid_pd.engine.models.mamba2 import _EXP_ZERO, _ssd_chunked, _ssd_step
 
 
 def _inputs(length: int, heads=4, hd=8, n=16, seed=0):
@@ -56,3 +56,10 @@ def test_segment_sums_match_masked_cumsum():
         x[s] = 1.0 / dt[s, :, None]
         y, _ = _ssd_chunked(x, dt, a_coef, ones, ones, q, h0, 0)
         torch.testing.assert_close(y[s:, :, 0].t(), expected[:, s:, s], rtol=1e-6, atol=0)
+
+
+def test_exp_zero_bound():
+    # the scan writes 0 instead of exp(x) for x < _EXP_ZERO: exp must round to 0 there
+    x = torch.tensor([_EXP_ZERO, _EXP_ZERO - 1e-3, _EXP_ZERO - 50.0, -math.inf])
+    assert torch.equal(torch.exp(x), torch.zeros(4))
+    assert torch.exp(torch.tensor(_EXP_ZERO + 1.0)) > 0  # and the bound is not far too low
