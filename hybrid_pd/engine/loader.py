@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from hybrid_pd.api.tokenizer import Tokenizer
+from hybrid_pd.engine.onednn import use_onednn_linears
 from hybrid_pd.engine.registry import model_class
 from hybrid_pd.kvcache.hf_configs import load_config
 
@@ -53,6 +54,8 @@ def load_model(
     model.load_weights(iter_safetensors(folder))
     model.to(dtype=torch_dtype)
     model.eval()
+    if device.type == "cpu":
+        use_onednn_linears(model)
     tokenizer = Tokenizer(folder) if (folder / "tokenizer.json").exists() else None
     logger.info("loaded %s from %s (%s)", config["architectures"][0], folder, torch_dtype)
     return model, config, tokenizer

@@ -25,6 +25,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype is torch.float32:
+            # the same operations as below, in one call: no dtype casts to tell them apart
+            weight = self.weight + self.offset if self.offset else self.weight
+            return F.rms_norm(x, self.weight.shape, weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.scale_after_cast:

@@ -18,12 +18,12 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import RMSNorm, Rotary, activation, copy_weight
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
+from hybrid_pd.engine.onednn import linear
 from hybrid_pd.engine.paged_attention import paged_attention
 
 _LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -187,8 +187,8 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         for e in top_idx.unique().tolist():
             token, slot = torch.nonzero(top_idx == e, as_tuple=True)
-            gate, up = F.linear(x[token], self.input_linear.weight[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.output_linear.weight[e])
+            gate, up = linear(x[token], self.input_linear.weight[e]).chunk(2, dim=-1)
+            y = linear(self.act(gate) * up, self.output_linear.weight[e])
             out.index_add_(0, token, y * top_w[token, slot, None])
         return out
 

@@ -85,6 +85,10 @@ class Mamba2Dims:
         return self.inner + 2 * self.groups * self.state
 
 
+# float32 exp rounds to exactly 0 below this (the smallest denormal is exp(-103.28)).
+_EXP_ZERO = -104.0
+
+
 def _ssd_chunked(x, dt, a_coef, b, c, chunk: int, h0: torch.Tensor, offset: int):
     """Chunked SSD scan of one sequence (float32).
 
@@ -105,18 +109,28 @@ def _ssd_chunked(x, dt, a_coef, b, c, chunk: int, h0: torch.Tensor, offset: int)
     bq, cq = chunks(b), chunks(c)  # [nc, Q, H, N]
 
     dev = x.device
-    # seg[c, l, s, h] = sum of log_a over s < k <= l, built by a masked cumulative sum
-    after = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril(-1)  # [k, s]: k > s
-    seg = (log_a[:, :, None, :] * after[None, :, :, None]).cumsum(dim=1)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).tril()  # [l, s]
-    decay = torch.exp(seg.masked_fill(~causal[None, :, :, None], -math.inf))
+    # seg[c, h, s, l] = sum of log_a over s < k <= l, as a difference of float64 prefix sums.
+    # A float64 sum of a chunk of float32 terms is exact unless their magnitudes span more than
+    # ~2^20, so after the cast this matches summing each segment on its own (transformers'
+    # masked cumulative sum, which accumulates in float64 on CPU too) without its [Q, Q]
+    # cumulative sum. Everything [Q, Q] below keeps this [c, h, s, l] layout so the
+    # elementwise work runs on contiguous memory.
+    prefix = log_a.double().cumsum(dim=1).transpose(1, 2)  # [nc, H, Q]
+    seg = (prefix[:, :, None, :] - prefix[:, :, :, None]).to(log_a.dtype)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu()  # [s, l]: l >= s
+    # exp is 5-10x slower on arguments whose result is denormal or zero (-inf included), and
+    # strong decays make many; those below _EXP_ZERO give exactly 0, so they are set to 0
+    # directly and exp sees 0 there instead.
+    dead = seg.masked_fill_(~causal, -math.inf) < _EXP_ZERO
+    decay = seg.masked_fill_(dead, 0.0).exp_().masked_fill_(dead, 0.0)  # [nc, H, Q(s), Q(l)]
 
     # within a chunk: attention-like mixing with the decay as mask
-    weights = torch.einsum("clhn,cshn->clsh", cq, bq) * decay
-    y = torch.einsum("clsh,cshp->clhp", weights, xdt)
+    bh, ch, xh = (t.transpose(1, 2) for t in (bq, cq, xdt))  # [nc, H, Q, N or P]
+    weights = torch.matmul(bh, ch.transpose(-1, -2)).mul_(decay)  # [nc, H, Q(s), Q(l)]
+    y = torch.matmul(weights.transpose(-1, -2), xh).transpose(1, 2)  # [nc, Q(l), H, P]
 
     # what each chunk adds to the state by its end, starting from zero
-    to_end = decay[:, -1]  # [nc, Q(s), H]: decay from s to the chunk's last position
+    to_end = decay[..., -1].transpose(1, 2)  # [nc, Q(s), H]: decay from s to the chunk's end
     added = torch.einsum("cshn,csh,cshp->chpn", bq, to_end, xdt)
     whole = torch.exp(log_a.sum(dim=1))  # [nc, H]: decay over a whole chunk
 

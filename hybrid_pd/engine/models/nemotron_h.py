@@ -45,6 +45,7 @@ from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
 from hybrid_pd.engine.models.common import RMSNorm, activation, copy_weight
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, as_float, check_state_spec
+from hybrid_pd.engine.onednn import linear
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, LayerSpec, StateSpec
 
@@ -193,7 +194,7 @@ class Experts(nn.Module):
         out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
         for e in ids.unique().tolist():
             token, slot = torch.nonzero(ids == e, as_tuple=True)
-            y = F.linear(self.act(F.linear(x[token], self.up_proj[e])), self.down_proj[e])
+            y = linear(self.act(linear(x[token], self.up_proj[e])), self.down_proj[e])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out.to(x.dtype)
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, Rotary, activation
+from hybrid_pd.engine.onednn import linear
 from hybrid_pd.engine.paged import (
     StateRows,
     read_state,
@@ -303,8 +304,8 @@ class SparseMoE(nn.Module):
         for e in torch.unique(experts).tolist():
             tok, slot = torch.where(experts == e)
             h = x[tok]
-            h = self.act(h @ self.gate_proj[e].t()) * (h @ self.up_proj[e].t())
-            h = (h @ self.down_proj[e].t()) * weights[tok, slot, None]
+            h = self.act(linear(h, self.gate_proj[e])) * linear(h, self.up_proj[e])
+            h = linear(h, self.down_proj[e]) * weights[tok, slot, None]
             out.index_add_(0, tok, h.to(out.dtype))
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out + shared

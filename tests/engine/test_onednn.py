@@ -1,0 +1,56 @@
+"""CPU linears through oneDNN (hybrid_pd/engine/onednn.py): same results as `F.linear` to
+float32 rounding, the same parameters, and switched on by the loader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_pd.engine.onednn import OneDnnLinear, linear, onednn_available, use_onednn_linears
+
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch")
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 64), (3, 5, 64), (0, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear(shape, bias):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    out = linear(x, w, b)
+    assert out.shape == (*shape[:-1], 96)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_falls_back_on_mixed_dtypes():
+    x, w = torch.randn(4, 8), torch.randn(3, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError):
+        linear(x, w)  # F.linear's own error, not a oneDNN one
+
+
+@needs_onednn
+def test_switch_keeps_parameters_and_names():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4, bias=False))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(5, 8)
+    expected = model(x)
+    assert use_onednn_linears(model) == 2
+    assert isinstance(model[0], OneDnnLinear) and isinstance(model[2], OneDnnLinear)
+    assert model.state_dict().keys() == before.keys()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    assert use_onednn_linears(model) == 0  # already switched
+
+
+@needs_onednn
+def test_loader_switches_cpu_linears(tmp_path):
+    from hybrid_pd.engine.loader import load_model
+    from tests import checkpoints
+
+    model, _, _ = load_model(checkpoints.llama(tmp_path))
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is OneDnnLinear for m in linears)

@@ -1,0 +1,58 @@
+"""Prefill-chunk attention (`paged_attention._attend_seq`) against a dense reference: a chunk
+written after earlier tokens, GQA, sliding window and chunked masks, and the soft-capped path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybrid_pd.engine.batch import SeqInfo
+from hybrid_pd.engine.paged_attention import _attend_seq, _seq_plan
+
+BS, HQ, HKV, D = 4, 6, 2, 8
+
+
+def _reference(q, keys, values, num_computed, scale, window, chunk, softcap):
+    """q [n, Hq, D] at positions num_computed.., keys/values [T, Hkv, D] at 0.."""
+    n, t = q.shape[0], keys.shape[0]
+    qpos = torch.arange(num_computed, num_computed + n)[:, None]
+    kpos = torch.arange(t)[None, :]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= (qpos - kpos) < window
+    if chunk is not None:
+        allowed &= (kpos // chunk) == (qpos // chunk)
+    group = HQ // HKV
+    k = keys.repeat_interleave(group, dim=1).double()
+    v = values.repeat_interleave(group, dim=1).double()
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).float()
+
+
+@pytest.mark.parametrize(
+    ("window", "chunk", "softcap"),
+    [(None, None, None), (5, None, None), (None, 8, None), (5, None, 3.0)],
+)
+@pytest.mark.parametrize("num_computed", [0, 7])
+def test_attend_seq_matches_reference(window, chunk, softcap, num_computed):
+    g = torch.Generator().manual_seed(0)
+    n = 9
+    total = num_computed + n
+    table = [3, 1, 4, 0, 2]  # enough blocks for `total`, out of order
+    cache = torch.randn(6, 2, BS, HKV, D, generator=g)
+    keys = torch.randn(total, HKV, D, generator=g)
+    values = torch.randn(total, HKV, D, generator=g)
+    for pos in range(num_computed):  # the earlier tokens are already in the pages
+        cache[table[pos // BS], 0, pos % BS] = keys[pos]
+        cache[table[pos // BS], 1, pos % BS] = values[pos]
+    q = torch.randn(n, HQ, D, generator=g)
+    seq = SeqInfo("r", 0, n, num_computed, (table,))
+    plan = _seq_plan(seq, table, BS, window, chunk, torch.device("cpu"))
+    new = slice(num_computed, total)
+    out = _attend_seq(q, keys[new], values[new], cache, plan, 0.3, softcap)
+    expected = _reference(q, keys, values, num_computed, 0.3, window, chunk, softcap)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
