@@ -27,7 +27,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
-from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
+from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, config_int, copy_weight
 from hybrid_pd.engine.models.mamba2 import (
     Mamba2Dims,
     Mamba2Mixer,
@@ -44,12 +44,7 @@ _IGNORED = ("rotary_emb.",)
 
 
 def _int(c: Mapping[str, Any], key: str, default: int | None = None) -> int:
-    value = c.get(key, default)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{_ARCH}: config field {key!r} must be a positive integer, got {value!r}")
-    return value
+    return config_int(_ARCH, key, c.get(key, default))
 
 
 class _Settings:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -105,3 +107,14 @@ def copy_weight(
             f"expected {tuple(param.shape)}"
         )
     param.copy_(tensor.to(param.dtype))
+
+
+def config_int(arch: str, key: str, value: Any, low: int = 1) -> int:
+    """A config field's integer (a float holding one is accepted) of at least `low`; else
+    ValueError naming the architecture and the field."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        what = "a positive integer" if low == 1 else f"an integer >= {low}"
+        raise ValueError(f"{arch}: config field {key!r} must be {what}, got {value!r}")
+    return value

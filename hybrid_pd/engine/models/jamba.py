@@ -26,7 +26,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
-from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
+from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, config_int, copy_weight
 from hybrid_pd.engine.models.mamba1 import Mamba1Dims, Mamba1Mixer, check_state_spec
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, LayerSpec, StateSpec
@@ -35,14 +35,7 @@ _ARCH = "Jamba"
 
 
 def _int(c: Mapping[str, Any], key: str, default: int | None = None, low: int = 1) -> int:
-    value = c.get(key, default)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(
-            f"{_ARCH}: config field {key!r} must be an integer >= {low}, got {value!r}"
-        )
-    return value
+    return config_int(_ARCH, key, c.get(key, default), low)
 
 
 class _Settings:

@@ -43,7 +43,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
-from hybrid_pd.engine.models.common import RMSNorm, activation, copy_weight
+from hybrid_pd.engine.models.common import RMSNorm, activation, config_int, copy_weight
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, as_float, check_state_spec
 from hybrid_pd.engine.onednn import linear
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -65,11 +65,7 @@ def _get(c: Mapping[str, Any], key: str, legacy: str | None, default: Any) -> An
 
 
 def _int(value: Any, key: str) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{_ARCH}: config field {key!r} must be a positive integer, got {value!r}")
-    return value
+    return config_int(_ARCH, key, value)
 
 
 def layer_kinds(c: Mapping[str, Any]) -> list[str]:
