@@ -122,3 +122,43 @@ def mixed_step(model, config):
     b.append(9)
     runner.step([("a", a, [7]), ("c", c, c), ("b", b, [9])])
     return seen[-1], runner
+
+
+#: The step each request of `staggered` joins at, and its prefill chunk (9 tokens end with a
+#: 1-token chunk on top of computed state).
+STARTS = (0, 0, 1, 3, 6)
+CHUNK = 8
+
+
+def staggered(runner: PagedRunner, prompts, max_new: int):
+    """Request i joins at step STARTS[i], prefills CHUNK tokens a step, then decodes one
+    token a step, so most steps mix fresh prompts, prefill chunks and decodes. Returns the
+    greedy tokens per request, every step's logits, and how many steps mixed one-token and
+    longer sequences."""
+    import torch
+
+    rids = [f"req{i}-{id(runner)}" for i in range(len(prompts))]
+    tokens: list[list[int]] = [[] for _ in prompts]  # grown in place (see PagedRunner)
+    out: list[list[int]] = [[] for _ in prompts]
+    done = [0] * len(prompts)
+    logits, mixed, step = [], 0, 0
+    while any(len(o) < max_new for o in out):
+        work = []
+        for i, p in enumerate(prompts):
+            if step < STARTS[i] or len(out[i]) >= max_new:
+                continue
+            new = p[done[i] : done[i] + CHUNK] if done[i] < len(p) else out[i][-1:]
+            done[i] = min(len(p), done[i] + CHUNK)
+            tokens[i].extend(new)
+            work.append((i, new))
+        mixed += {len(new) == 1 for _, new in work} == {True, False}
+        rows = runner.step([(rids[i], tokens[i], new) for i, new in work])
+        for (i, _), row in zip(work, rows, strict=True):
+            logits.append(row)
+            if done[i] == len(prompts[i]):
+                out[i].append(int(row.argmax()))
+        step += 1
+    for rid in rids:
+        runner.mgr.free(rid)
+    runner.mgr.check_integrity()
+    return out, torch.stack(logits), mixed

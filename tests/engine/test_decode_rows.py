@@ -14,13 +14,11 @@ pytest.importorskip("transformers")
 from hybrid_pd.engine import paged_attention
 from hybrid_pd.engine.loader import load_model
 from tests import checkpoints
-from tests.engine.harness import PagedRunner, mixed_step
+from tests.engine.harness import PagedRunner, mixed_step, staggered
 from tests.engine.mamba2_parity import NEW, Reference, prompt
 
 TOL = 2e-5  # of the largest logit: float32, SDPA vs einsum order over 24 steps
 LENGTHS = (1, 9, 30, 5, 17)  # windows of 16 (SW_WINDOW) slide across blocks of 4
-STARTS = (0, 0, 1, 3, 6)  # the step each request joins at
-CHUNK = 8
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,36 +37,6 @@ def arch(request, tmp_path_factory):
     return request.param, model, config, Reference(path)
 
 
-def _staggered(runner: PagedRunner, prompts, max_new: int):
-    """Request i joins at step STARTS[i], prefills CHUNK tokens a step, then decodes. Returns
-    the greedy tokens, every step's logits and how many steps mixed decodes and chunks."""
-    rids = [f"req{i}-{id(runner)}" for i in range(len(prompts))]
-    tokens: list[list[int]] = [[] for _ in prompts]
-    out: list[list[int]] = [[] for _ in prompts]
-    done = [0] * len(prompts)
-    logits, mixed, step = [], 0, 0
-    while any(len(o) < max_new for o in out):
-        work = []
-        for i, p in enumerate(prompts):
-            if step < STARTS[i] or len(out[i]) >= max_new:
-                continue
-            new = p[done[i] : done[i] + CHUNK] if done[i] < len(p) else out[i][-1:]
-            done[i] = min(len(p), done[i] + CHUNK)
-            tokens[i].extend(new)
-            work.append((i, new))
-        mixed += {len(new) == 1 for _, new in work} == {True, False}
-        rows = runner.step([(rids[i], tokens[i], new) for i, new in work])
-        for (i, _), row in zip(work, rows, strict=True):
-            logits.append(row)
-            if done[i] == len(prompts[i]):
-                out[i].append(int(row.argmax()))
-        step += 1
-    for rid in rids:
-        runner.mgr.free(rid)
-    runner.mgr.check_integrity()
-    return out, torch.stack(logits), mixed
-
-
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_mixed_batches_match_the_loop_and_transformers(arch, block_size, monkeypatch):
     name, model, config, ref = arch
@@ -77,13 +45,13 @@ def test_mixed_batches_match_the_loop_and_transformers(arch, block_size, monkeyp
     # stale bytes: 0xFF is NaN as any float; rows gather them past their last token, in
     # padding and before their window, and must mask and zero them (null block included)
     runner.pool.buffer.fill_(0xFF)
-    tokens, logits, mixed = _staggered(runner, prompts, NEW)
+    tokens, logits, mixed = staggered(runner, prompts, NEW)
     assert mixed >= 5, "too few steps mix decodes and prefill chunks to prove anything"
     assert torch.isfinite(logits).all()
 
     monkeypatch.setattr(paged_attention, "MIN_DECODE_ROWS", 10**9)
     loop_runner = PagedRunner(model, config, block_size=block_size)
-    loop_tokens, loop_logits, _ = _staggered(loop_runner, prompts, NEW)
+    loop_tokens, loop_logits, _ = staggered(loop_runner, prompts, NEW)
 
     diff = (logits - loop_logits).abs().max().item()
     scale = logits.abs().max().item()

@@ -14,13 +14,11 @@ from hybrid_pd.engine import paged
 from hybrid_pd.engine.engine import Engine, EngineConfig
 from hybrid_pd.engine.loader import load_model
 from tests import checkpoints
-from tests.engine.harness import PagedRunner, mixed_step
+from tests.engine.harness import PagedRunner, mixed_step, staggered
 from tests.engine.mamba2_parity import GREEDY, NEW, Reference, prompt
 
 TOL = 2e-5  # of the largest logit: float32 rounding over 24 steps, batched vs looped order
 LENGTHS = (1, 9, 30, 5, 17)  # the 1-token prompt starts from a zero state in a batched row
-STARTS = (0, 0, 1, 3, 6)  # the step each request joins at
-CHUNK = 8  # prefill chunk: 9 tokens end with a 1-token chunk on top of computed state
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -45,40 +43,6 @@ def _loop_everything(monkeypatch) -> None:
     monkeypatch.setattr(paged, "MIN_STATE_ROWS", 10**9)
 
 
-def _staggered(runner: PagedRunner, prompts, max_new: int):
-    """Request i joins at step STARTS[i], prefills CHUNK tokens a step, then decodes one
-    token a step, so most steps mix fresh prompts, prefill chunks and decodes. Returns the
-    greedy tokens per request, every step's logits, and how many steps mixed one-token and
-    longer sequences."""
-    n = len(prompts)
-    rids = [f"req{i}-{id(runner)}" for i in range(n)]
-    tokens: list[list[int]] = [[] for _ in prompts]  # grown in place (see PagedRunner)
-    out: list[list[int]] = [[] for _ in prompts]
-    done = [0] * n
-    logits, mixed, step = [], 0, 0
-    while any(len(o) < max_new for o in out):
-        work = []
-        for i, p in enumerate(prompts):
-            if step < STARTS[i] or len(out[i]) >= max_new:
-                continue
-            new = p[done[i] : done[i] + CHUNK] if done[i] < len(p) else out[i][-1:]
-            done[i] = min(len(p), done[i] + CHUNK)
-            tokens[i].extend(new)
-            work.append((i, new))
-        sizes = {len(new) == 1 for _, new in work}
-        mixed += sizes == {True, False}
-        rows = runner.step([(rids[i], tokens[i], new) for i, new in work])
-        for (i, _), row in zip(work, rows, strict=True):
-            logits.append(row)
-            if done[i] == len(prompts[i]):
-                out[i].append(int(row.argmax()))
-        step += 1
-    for rid in rids:
-        runner.mgr.free(rid)
-    runner.mgr.check_integrity()
-    return out, torch.stack(logits), mixed
-
-
 @pytest.mark.parametrize("block_size", [4, 128])  # state spread over blocks / in one block
 def test_mixed_batches_match_the_loop_and_transformers(arch, block_size, monkeypatch):
     name, model, config, _, ref = arch
@@ -87,11 +51,11 @@ def test_mixed_batches_match_the_loop_and_transformers(arch, block_size, monkeyp
     spans = {g.blocks_per_state for g in runner.config.groups if g.is_state}
     assert spans == ({1} if block_size == 128 else spans - {1}), spans
 
-    tokens, logits, mixed = _staggered(runner, prompts, NEW)
+    tokens, logits, mixed = staggered(runner, prompts, NEW)
     assert mixed >= 5, "too few steps mix decodes and prefill chunks to prove anything"
     _loop_everything(monkeypatch)
     loop_runner = PagedRunner(model, config, block_size=block_size)
-    loop_tokens, loop_logits, _ = _staggered(loop_runner, prompts, NEW)
+    loop_tokens, loop_logits, _ = staggered(loop_runner, prompts, NEW)
 
     diff = (logits - loop_logits).abs().max().item()
     scale = logits.abs().max().item()
