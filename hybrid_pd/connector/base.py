@@ -50,10 +50,18 @@ class LoadResult:
 class ConnectorWorker(Protocol):
     """Moves a request's KV into blocks the scheduler reserved for it."""
 
-    def start_load_kv(self, request_id: str, params: Any, block_ids: tuple[list[int], ...]) -> None:
+    def start_load_kv(
+        self,
+        request_id: str,
+        params: Any,
+        block_ids: tuple[list[int], ...],
+        held: Sequence[int] = (),
+    ) -> None:
         """Begin filling `block_ids` (per group, null blocks included) with the KV that
         `params` describes. Returns at once; the outcome is reported by `get_finished`.
-        The blocks must stay allocated until then, whatever happens to the request."""
+        The blocks must stay allocated until then, whatever happens to the request.
+        `held[g]`: group g's first non-null blocks already hold their KV (this worker's
+        prefix cache); they are not loaded. Empty: load every block."""
         ...
 
     def get_finished(self) -> Sequence[LoadResult]:

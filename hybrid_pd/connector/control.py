@@ -188,6 +188,7 @@ class KVControlServicer(pb_grpc.KVControlServicer):
                     request.ucx_address,
                     request.tag,
                     timeout=timeout,
+                    skip=list(request.skip_blocks),
                 ),
             )
         except Exception as e:  # reported to the caller; the lease stays until released

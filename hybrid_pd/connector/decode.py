@@ -84,6 +84,7 @@ class DecodeConnector:
         self.stats: dict = {
             "pulls": 0,
             "failed": 0,
+            "held_blocks": 0,  # blocks not pulled: this worker's prefix cache held them
             "bytes": 0,
             "messages": 0,
             "seconds": 0.0,  # pull time of the successful pulls, handshake to arrival
@@ -97,14 +98,18 @@ class DecodeConnector:
 
     # -- worker side (ConnectorWorker) ------------------------------------------------------
     def start_load_kv(
-        self, request_id: str, params: KVTransferParams, block_ids: tuple[list[int], ...]
+        self,
+        request_id: str,
+        params: KVTransferParams,
+        block_ids: tuple[list[int], ...],
+        held: Sequence[int] = (),
     ) -> None:
-        self._pulls.submit(self._load, request_id, params, block_ids)
+        self._pulls.submit(self._load, request_id, params, block_ids, tuple(held))
 
-    def _load(self, request_id: str, params: KVTransferParams, block_ids) -> None:
+    def _load(self, request_id: str, params: KVTransferParams, block_ids, held) -> None:
         release = None
         try:
-            st = self.pull(params, block_ids, release=False)
+            st = self.pull(params, block_ids, release=False, held=held)
             release = params
             res = LoadResult(request_id, None, st.bytes, st.messages, st.seconds)
         except TransferFailed as e:
@@ -214,17 +219,27 @@ class DecodeConnector:
         params: KVTransferParams,
         dst_block_ids: tuple[list[int], ...],
         release: bool = True,
+        held: Sequence[int] = (),
     ) -> TransferStats:
         """Fill `dst_block_ids` (this worker's blocks, per group, null blocks included) with
-        the request's KV; then (`release`) release it on the prefill worker. Raises
-        TransferFailed. The seconds reported run from the call to the bytes' arrival."""
+        the request's KV; then (`release`) release it on the prefill worker. `held[g]`:
+        group g's first non-null blocks already hold their KV and are skipped (the prefill
+        worker sends only the rest). Raises TransferFailed. The seconds reported run from
+        the call to the bytes' arrival."""
         t0 = time.perf_counter()
         peer = self._peer(params.control_address)  # the handshake names a layout mismatch
         if params.fingerprint != self.layout.fingerprint:
             raise TransferFailed("KV layout fingerprint in kv_transfer_params differs from ours")
+        skip = list(held) if any(held) else []
+        if skip and len(skip) != len(dst_block_ids):
+            raise ValueError(f"held has {len(skip)} groups, block ids {len(dst_block_ids)}")
         dst = [[b for b in g if b != NULL_BLOCK_ID] for g in dst_block_ids]
+        src = params.block_ids
+        if skip:
+            dst = [g[n:] for g, n in zip(dst, skip, strict=True)]
+            src = tuple(list(g[n:]) for g, n in zip(src, skip, strict=False))
         try:
-            regions = self._plan.dst_regions(self._plan.runs(params.block_ids, dst))
+            regions = self._plan.dst_regions(self._plan.runs(src, dst))
         except ValueError as e:
             raise TransferFailed(f"kv_transfer_params do not fit this request: {e}") from e
         if len(regions) >= 1 << 16:
@@ -240,6 +255,7 @@ class DecodeConnector:
                     ucx_address=self.transport.address,
                     tag=tag,
                     dst_blocks=[pb.BlockIds(ids=g) for g in dst],
+                    skip_blocks=skip,
                 ),
                 timeout=self.timeout_s,
                 metadata=self._metadata,
@@ -262,6 +278,7 @@ class DecodeConnector:
         if release:
             self._release(peer, params)
         self.stats["pulls"] += 1
+        self.stats["held_blocks"] += sum(skip)
         self.stats["bytes"] += stats.bytes
         self.stats["messages"] += stats.messages
         self.stats["seconds"] += stats.seconds

@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
@@ -40,6 +40,17 @@ def _bounded_put(d: OrderedDict, key: str, value) -> None:
     d[key] = value
     while len(d) > _REMEMBERED:
         d.popitem(last=False)
+
+
+def _skipped(groups: Sequence[Sequence[int]], skip: Sequence[int]) -> Sequence[Sequence[int]]:
+    """`groups` without each group's first `skip[g]` blocks (`skip` empty: all of them)."""
+    if not skip:
+        return groups
+    if len(skip) != len(groups):
+        raise ValueError(f"skip names {len(skip)} groups but the request has {len(groups)}")
+    if any(not 0 <= n <= len(g) for g, n in zip(groups, skip, strict=True)):
+        raise ValueError(f"skip {list(skip)} outside the kept blocks")
+    return [g[n:] for g, n in zip(groups, skip, strict=True)]
 
 
 def _die_mid_transfer(transport, peer: bytes, tag: int, regions: list) -> None:
@@ -187,15 +198,17 @@ class PrefillConnector:
         peer: bytes,
         tag: int,
         timeout: float = 30.0,
+        skip: Sequence[int] = (),
     ) -> PullResult:
-        """Send the request's kept blocks to `peer` into `dst_blocks` (per group)."""
+        """Send the request's kept blocks to `peer` into `dst_blocks` (per group). `skip[g]`:
+        decode holds group g's first kept blocks already; only the rest are sent."""
         with self._lock:
             self._wait_kept(request_id, timeout)
             lease = self._lease(request_id, token)
             lease.pulling += 1
             lease.expires_at = max(lease.expires_at, self._clock() + self.lease_s)
         try:
-            runs = self._plan.runs(lease.block_ids, dst_blocks)
+            runs = self._plan.runs(_skipped(lease.block_ids, skip), dst_blocks)
             regions = self._plan.src_regions(runs)
             if _FAULT == "zero_sends":
                 regions = [r.new_zeros(r.shape) for r in regions]

@@ -32,6 +32,8 @@ class EngineConfig:
     block_size: int | None = None
     kv_dtype: str | None = None  # default: the model's dtype
     enable_prefix_caching: bool = True
+    #: Decode role: pull only the prompt blocks this pool does not cache already.
+    reuse_prefix_on_load: bool = True
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's maximum, capped at 32768
@@ -84,7 +86,12 @@ class Engine:
         self.kv = KVCacheManager(self.kv_config, num_blocks, config.enable_prefix_caching)
         self.pool = KVPool(self.kv_config, num_blocks, device=self.device)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, max_len),
+            SchedulerConfig(
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                max_len,
+                reuse_prefix_on_load=config.reuse_prefix_on_load,
+            ),
             self.kv,
         )
         self.eos_token_ids = _eos_ids(hf_config, tokenizer)
@@ -197,8 +204,8 @@ class Engine:
         Returns outputs of requests that got a token or finished (a failed load)."""
         ended, outputs = self._take_finished_loads()
         sched = self.scheduler.schedule()
-        for req, ids in sched.loads:
-            self.connector.worker.start_load_kv(req.request_id, req.remote_kv, ids)
+        for req, ids, held in sched.loads:
+            self.connector.worker.start_load_kv(req.request_id, req.remote_kv, ids, held)
         if ended or sched.loads or sched.seqs or sched.preempted:
             self.num_steps_with_work += 1
         if not sched.seqs:

@@ -33,6 +33,9 @@ class SchedulerConfig:
     #: End a prefill chunk at the prompt's last block boundary so recurrent-state snapshots
     #: land where later prompts can hit them (costs one extra step per prompt).
     align_state_snapshots: bool = True
+    #: A request whose prompt KV arrives from elsewhere first takes the blocks this pool
+    #: already caches for its prompt (decode-side prefix reuse); only the rest is moved.
+    reuse_prefix_on_load: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_model_len < 2:
@@ -57,8 +60,9 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    #: Requests that got blocks for their remote KV this step: the connector loads them.
-    loads: list[tuple[Request, BlockIds]] = field(default_factory=list)
+    #: Requests that got blocks for their remote KV this step: the connector loads them
+    #: (request, block ids, per group how many leading blocks were held here already).
+    loads: list[tuple[Request, BlockIds, tuple[int, ...]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -251,14 +255,18 @@ class Scheduler:
             req = self.waiting[0]
             rid = RequestId(req.request_id)
             if req.remote_kv is not None:  # blocks in turn; the connector fills them
-                ids = self.kv.allocate_external(rid, req.all_ids, len(req.prompt_ids))
+                ids = self.kv.allocate_external(
+                    rid, req.all_ids, len(req.prompt_ids), self.config.reuse_prefix_on_load
+                )
                 if ids is None:
                     break
                 self.waiting.popleft()
                 req.status = Status.WAITING_FOR_REMOTE_KV
                 req.num_computed = len(req.prompt_ids)
+                held = self.kv.num_held(rid)
+                req.num_cached_tokens = self.kv.held_tokens(rid)
                 self.receiving[req.request_id] = req
-                out.loads.append((req, ids))
+                out.loads.append((req, ids, held))
                 continue
             hit = self.kv.find_prefix_hit(req.all_ids)
             if req.params.prompt_logprobs is not None:  # every prompt position is scored

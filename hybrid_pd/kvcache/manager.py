@@ -44,6 +44,8 @@ class _Record:
     #: False while the blocks hold bytes nobody computed here yet (a KV transfer into
     #: them is pending): such blocks must never enter the prefix cache.
     trusted: bool = True
+    #: `allocate_external`: per group, leading non-null blocks already held here.
+    held: tuple[int, ...] = ()
 
     def update_hashes(self, block_size: int) -> None:
         parent = self.hashes[-1] if self.hashes else None
@@ -160,26 +162,55 @@ class KVCacheManager:
         return self.block_ids(rid)
 
     def allocate_external(
-        self, rid: RequestId, token_ids: Sequence[int], num_tokens: int
+        self,
+        rid: RequestId,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        reuse: bool = True,
     ) -> BlockIds | None:
         """Blocks for a new request whose first `num_tokens` tokens were computed elsewhere
         (a KV transfer fills them): only what later steps read. Returns None, changing
         nothing, when the pool is short. The caller commits (`commit_computed`) once the
-        bytes are in place, or frees the request if the transfer fails."""
+        bytes are in place, or frees the request if the transfer fails.
+
+        With `reuse` (and prefix caching on), each attention group takes the cached blocks
+        it already holds for the leading positions it keeps (`GroupManager.local_hit`);
+        `num_held(rid)` says how many leading blocks per group need no transfer. State
+        groups always get fresh pages: their state is the one at the end of the prompt."""
         if rid in self._records:
             raise ValueError(f"request {rid} already holds blocks")
         if not 0 < num_tokens <= len(token_ids):
             raise ValueError("num_tokens must be between 1 and the number of known tokens")
+        rec = _Record(token_ids if isinstance(token_ids, list) else list(token_ids))
+        held: list[list[KVBlock]] = [[] for _ in self.managers]
+        if reuse and self.enable_caching:
+            rec.update_hashes(self.block_size)
+            held = [m.local_hit(rec.hashes, num_tokens) for m in self.managers]
         need = sum(m.num_tail_blocks(num_tokens) for m in self.managers)
+        need += sum(1 for h in held for b in h if b.ref_cnt == 0) - sum(map(len, held))
         if need > self.pool.num_free_blocks:
             return None
-        rec = _Record(token_ids if isinstance(token_ids, list) else list(token_ids))
         rec.num_computed = num_tokens
         rec.trusted = False
+        rec.held = tuple(len(h) for h in held)
         self._records[rid] = rec
-        for m in self.managers:
-            m.allocate_tail(rid, num_tokens)
+        for h in held:  # references first: allocating fresh blocks may evict cached ones
+            self.pool.touch(h)
+        for m, h in zip(self.managers, held, strict=True):
+            m.allocate_tail(rid, num_tokens, h)
         return self.block_ids(rid)
+
+    def held_tokens(self, rid: RequestId) -> int:
+        """Prompt tokens whose KV an external request found here in every full-attention
+        group (0 without one): its prefix-cache hit, as clients see it."""
+        held = self.num_held(rid)
+        full = [n for m, n in zip(self.managers, held, strict=True) if m.group.spec.kind == "full"]
+        return min(full) * self.block_size if full else 0
+
+    def num_held(self, rid: RequestId) -> tuple[int, ...]:
+        """Per group, how many of an external request's (`allocate_external`) non-null
+        blocks, counted from the first, this pool already held: a transfer skips them."""
+        return self._records[rid].held or (0,) * len(self.managers)
 
     def release_out_of_window(self, rid: RequestId) -> None:
         """Free blocks that no future query of the request reads (sliding window, chunks)."""

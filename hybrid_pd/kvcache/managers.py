@@ -125,12 +125,29 @@ class GroupManager:
         """Blocks a request needs to continue after `num_tokens` computed elsewhere."""
         return self.group.blocks_needed(num_tokens, self.block_size)
 
-    def allocate_tail(self, rid: RequestId, num_tokens: int) -> None:
+    def local_hit(self, hashes: Sequence[BlockHash], num_tokens: int) -> list[KVBlock]:
+        """For a request whose first `num_tokens` tokens arrive from elsewhere: the cached
+        blocks this pool already holds for the leading positions it must keep (from the
+        first needed block on, whole blocks of those tokens only, up to the first miss).
+        They need not be transferred. Query only."""
+        out: list[KVBlock] = []
+        full = min(num_tokens // self.block_size, len(hashes))
+        for i in range(self.first_needed_block(num_tokens), full):
+            block = self.pool.lookup(hashes[i], self.group_id)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def allocate_tail(self, rid: RequestId, num_tokens: int, held: Sequence[KVBlock] = ()) -> None:
         """Blocks for a request whose first `num_tokens` tokens arrive from elsewhere: the
-        null block for positions no future query reads, fresh blocks for the rest."""
+        null block for positions no future query reads, then `held` (a `local_hit` the
+        caller already took references on), then fresh blocks for the rest."""
         first = self.first_needed_block(num_tokens)
-        fresh = self.pool.allocate(self.num_tail_blocks(num_tokens))
-        self._set(rid, [self.pool.null_block] * first + fresh)
+        fresh = self.pool.allocate(self.num_tail_blocks(num_tokens) - len(held))
+        self._set(rid, [self.pool.null_block] * first + list(held) + fresh)
+        if held:
+            self.num_cached[rid] = first + len(held)
 
     def cache_computed(
         self, rid: RequestId, hashes: Sequence[BlockHash], num_computed: int
@@ -223,7 +240,10 @@ class StateManager(GroupManager):
     def release_skipped(self, rid: RequestId, num_computed: int) -> None:
         return None  # the state is always needed
 
-    def allocate_tail(self, rid: RequestId, num_tokens: int) -> None:
+    def local_hit(self, hashes: Sequence[BlockHash], num_tokens: int) -> list[KVBlock]:
+        return []  # the state at the end of the prompt always comes with the prompt
+
+    def allocate_tail(self, rid: RequestId, num_tokens: int, held: Sequence[KVBlock] = ()) -> None:
         self._set(rid, self.pool.allocate(self.span))
 
     def allocate(self, rid: RequestId, num_tokens: int) -> None:

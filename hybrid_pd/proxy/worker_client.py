@@ -112,6 +112,7 @@ class WorkerClient:
                     "messages": t.messages,
                     "seconds": t.seconds,
                     "recomputed": t.recomputed,
+                    "held_tokens": t.held_tokens,
                 }
             if chunk.finished:
                 out.finish_reason = chunk.finish_reason

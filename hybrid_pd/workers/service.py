@@ -286,4 +286,9 @@ def _transfer_pb(out: RequestOutput) -> pb.TransferStats:
         return pb.TransferStats(recomputed=out.recomputed)
     if out.recomputed:
         return pb.TransferStats(recomputed=True)
-    return pb.TransferStats(bytes=res.bytes, messages=res.messages, seconds=res.seconds)
+    return pb.TransferStats(
+        bytes=res.bytes,
+        messages=res.messages,
+        seconds=res.seconds,
+        held_tokens=out.num_cached_tokens,
+    )

@@ -74,6 +74,46 @@ def test_pd_output_equals_single_engine(arch):
         wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
 
 
+def test_follow_up_turn_pulls_only_what_decode_lacks(arch):
+    """A conversation's second turn (turn 1's prompt and answer, then a new message): decode
+    takes the blocks its prefix cache holds and pulls exactly the rest (state pages always
+    come); output equals one engine's; the decode worker counts what it did not pull."""
+    name, _, pair, ref = arch
+    sampling = sampling_to_pb(SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+    kv_config = ref.kv_config
+    bs, page = kv_config.block_size, kv_config.page_size_bytes
+    turn1 = prompt(9 * MAMBA_CHUNK + 3, seed=31)
+    first = pair.prefill.prefill(f"{name}-turn1", turn1, sampling)
+    out1 = pair.decode.generate(f"{name}-turn1", turn1, sampling, first.kv_transfer_params)
+    assert out1.error == "" and out1.transfer["held_tokens"] == 0
+    turn2 = turn1 + out1.token_ids + prompt(3 * SW_WINDOW + 1, seed=32)
+    expected = reference_tokens(ref, turn2, N_NEW)
+    held_before = pair.decode.stats()["decode_connector"]["held_blocks"]
+    first = pair.prefill.prefill(f"{name}-turn2", turn2, sampling)
+    out = pair.decode.generate(f"{name}-turn2", turn2, sampling, first.kv_transfer_params)
+    assert out.error == "" and out.token_ids == expected and not out.transfer["recomputed"]
+    # Decode computed turn 1's prompt and all its answer tokens but the last: whole blocks
+    # of those it holds, in every attention group from the first block the group keeps.
+    computed = (len(turn1) + N_NEW - 1) // bs
+
+    def first_block(group, n: int) -> int:
+        return group.spec.first_needed_token(n) // bs
+
+    held = [
+        0 if g.spec.kind == "state" else max(0, computed - first_block(g, len(turn2)))
+        for g in kv_config.groups
+    ]
+    if any(g.spec.kind == "full" for g in kv_config.groups):  # (Mistral's all slide)
+        assert sum(held) > 0, "the checkpoint's block size leaves nothing to reuse"
+    assert out.transfer["bytes"] == kv_config.bytes_per_request(len(turn2)) - sum(held) * page
+    full = [n for g, n in zip(kv_config.groups, held, strict=True) if g.spec.kind == "full"]
+    assert out.transfer["held_tokens"] == (min(full) * bs if full else 0)
+    stats = pair.decode.stats()["decode_connector"]
+    assert stats["held_blocks"] - held_before == sum(held)
+    for client in (pair.prefill, pair.decode):
+        wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
+
+
 def _runs(ids) -> int:
     """How many maximal runs of consecutive ids `ids` (in order) makes."""
     return sum(1 for i, b in enumerate(ids) if i == 0 or b != ids[i - 1] + 1)

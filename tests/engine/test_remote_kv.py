@@ -44,28 +44,32 @@ class ScriptedLoads:
     def __init__(self, src_pool) -> None:
         self.src_pool = src_pool
         self.dst_pool = None
-        self.started: dict[str, tuple[dict, tuple]] = {}
+        self.started: dict[str, tuple[list, list]] = {}
+        self.held: dict[str, tuple[int, ...]] = {}
         self.order: list[str] = []
         self._done: list[LoadResult] = []
 
-    def start_load_kv(self, request_id, params, block_ids) -> None:
-        self.started[request_id] = (params, block_ids)
+    def start_load_kv(self, request_id, params, block_ids, held=()) -> None:
+        # As the real connector does: the first held[g] real blocks are not loaded.
+        held = held or (0,) * len(block_ids)
+        real = [[b for b in g if b != NULL_BLOCK_ID] for g in block_ids]
+        dst = [g[n:] for g, n in zip(real, held, strict=True)]
+        src = [list(g[n:]) for g, n in zip(params["blocks"], held, strict=True)]
+        self.started[request_id] = (src, dst)
+        self.held[request_id] = tuple(held)
         self.order.append(request_id)
 
     def complete(self, request_id: str) -> None:
-        params, block_ids = self.started.pop(request_id)
-        dst = [[b for b in g if b != NULL_BLOCK_ID] for g in block_ids]
-        for s in plan_segments(params["blocks"], dst):
+        src, dst = self.started.pop(request_id)
+        for s in plan_segments(src, dst):
             self.dst_pool.region(s.dst, s.length).copy_(self.src_pool.region(s.src, s.length))
         self._done.append(LoadResult(request_id, None, 1, 1, 0.0))
 
     def break_halfway(self, request_id: str) -> int:
-        """Write garbage into the second half of each group's real (non-null) blocks, then
-        fail."""
-        _, block_ids = self.started.pop(request_id)
+        """Write garbage into the second half of each group's loaded blocks, then fail."""
+        _, dst = self.started.pop(request_id)
         written = 0
-        for group in block_ids:
-            real = [b for b in group if b != NULL_BLOCK_ID]
+        for real in dst:
             for b in real[len(real) // 2 :]:
                 region = self.dst_pool.region(b, 1)
                 region.copy_(torch.randint(0, 256, region.shape, dtype=torch.uint8))
@@ -90,9 +94,10 @@ def loaded(request, tmp_path_factory):
     return load_model(path)
 
 
-def make_engine(loaded, kv_memory: int = 4 * 2**20, connector=None) -> Engine:
+def make_engine(loaded, kv_memory: int = 4 * 2**20, connector=None, reuse=True) -> Engine:
     model, config, tok = loaded
-    return Engine(model, config, EngineConfig(kv_memory_bytes=kv_memory), tok, connector)
+    cfg = EngineConfig(kv_memory_bytes=kv_memory, reuse_prefix_on_load=reuse)
+    return Engine(model, config, cfg, tok, connector)
 
 
 def prompt_of(engine: Engine, blocks: int, seed: int) -> list[int]:
@@ -125,10 +130,10 @@ def drive(engine: Engine, loads: ScriptedLoads, action, max_steps: int = 400) ->
     raise AssertionError("requests did not finish")
 
 
-def pd_pair(loaded, decode_memory: int = 4 * 2**20):
+def pd_pair(loaded, decode_memory: int = 4 * 2**20, reuse: bool = True):
     source = make_engine(loaded, connector=KVConnector(scheduler=KeepAll()))
     loads = ScriptedLoads(source.pool)
-    decode = make_engine(loaded, decode_memory, KVConnector(worker=loads))
+    decode = make_engine(loaded, decode_memory, KVConnector(worker=loads), reuse)
     loads.dst_pool = decode.pool
     return source, decode, loads
 
@@ -165,8 +170,9 @@ def test_remote_kv_runs_from_prompt_and_first_token(loaded):
 def test_recompute_after_half_written_transfer(loaded):
     """The blocks of a broken pull hold garbage; none of it may enter the prefix cache (a
     state page freed on a block boundary used to become a snapshot that the recompute hit
-    once the prompt's attention blocks were cached: wrong greedy tokens)."""
-    source, decode, loads = pd_pair(loaded)
+    once the prompt's attention blocks were cached: wrong greedy tokens). Without
+    decode-side reuse, so the cached blocks are loaded (and broken) again."""
+    source, decode, loads = pd_pair(loaded, reuse=False)
     prompt = prompt_of(source, 6, seed=5)
     # The decode engine has run this prompt before: its attention blocks are cached.
     want = decode.generate([prompt], PARAMS)[0].token_ids
@@ -183,6 +189,51 @@ def test_recompute_after_half_written_transfer(loaded):
     decode.step()
     loads.break_halfway(rid)
     assert drive(decode, loads, complete_all)[rid].token_ids == want
+
+
+def test_follow_up_turn_loads_only_what_decode_lacks(loaded):
+    """Decode-side prefix reuse: a second turn (the first turn's prompt and answer, then
+    more) loads only the blocks past what decode's prefix cache holds, never a state page
+    from the cache, and gives the single engine's tokens; a broken load of the rest is
+    recomputed exactly and leaves the held blocks intact."""
+    source, decode, loads = pd_pair(loaded)
+    bs = decode.kv.block_size
+    single = make_engine(loaded)
+    turn1 = prompt_of(source, 3, seed=21)
+    kv = prefill(source, turn1)
+    rid = decode.add_request(turn1, PARAMS, "t1", output_ids=[kv["first"]], remote_kv=kv)
+    decode.step()
+    assert loads.held["t1"] == (0,) * len(decode.kv.managers)  # a cold cache holds nothing
+    out1 = drive(decode, loads, complete_all)[rid]
+    assert out1.token_ids == single.generate([turn1], PARAMS)[0].token_ids
+    turn2 = turn1 + out1.token_ids + prompt_of(source, 2, seed=22)[: 2 * bs - 3]
+    want = make_engine(loaded).generate([turn2], PARAMS)[0].token_ids
+    kinds = [type(m).__name__ for m in decode.kv.managers]
+    # t2: turn 1's prompt and all but its last answer token fill the blocks decode holds;
+    # t3 (the same turn again, its load broken halfway): t2 left every whole block cached.
+    expect = {"t2": (len(turn1) + N_NEW - 1) // bs, "t3": len(turn2) // bs}
+    for attempt, end in (("t2", complete_all), ("t3", None)):
+        kv = prefill(source, turn2)
+        rid = decode.add_request(turn2, PARAMS, attempt, output_ids=[kv["first"]], remote_kv=kv)
+        decode.step()
+        held = loads.held[attempt]
+        for kind, n, m in zip(kinds, held, decode.kv.managers, strict=True):
+            if kind == "FullAttentionManager":
+                assert n == expect[attempt]
+            elif kind == "StateManager":
+                assert n == 0
+            else:  # a window: at most the whole blocks it keeps at turn 2's end
+                first = m.first_needed_block(len(turn2))
+                assert n <= max(0, expect[attempt] - first)
+        if any(m.group.spec.kind == "full" for m in decode.kv.managers):
+            assert decode.requests[attempt].num_cached_tokens > 0
+        if end is None:
+            assert loads.break_halfway(rid) > 0
+            end = complete_all
+        out = drive(decode, loads, end)[rid]
+        assert out.token_ids == want, attempt
+        assert out.recomputed == (attempt == "t3")
+        assert_clean(decode)
 
 
 def test_failure_policy_fail_reports_and_frees(loaded):
@@ -246,7 +297,7 @@ class ThreadedLoads(ScriptedLoads):
         self.notify = lambda: None
         self._lock = threading.Lock()
 
-    def start_load_kv(self, request_id, params, block_ids) -> None:
+    def start_load_kv(self, request_id, params, block_ids, held=()) -> None:
         with self._lock:
             super().start_load_kv(request_id, params, block_ids)
         threading.Timer(self.delay_s, self._end, (request_id,)).start()

@@ -286,3 +286,35 @@ def test_allocate_external_holds_only_what_later_steps_read() -> None:
     mgr.free("a")  # on a block boundary: blocks and the state snapshot stay cached
     hit = mgr.find_prefix_hit(a)
     assert hit.num_tokens == 20 and [b.block_id for b in hit.blocks[2]] == ids[2]
+
+
+def test_allocate_external_takes_what_the_pool_caches() -> None:
+    """Decode-side reuse: the attention groups take cached blocks of the prompt's leading
+    positions they keep (references counted), the state group fresh pages; a failed load
+    leaves them cached; a pool short of room changes nothing; `reuse=False` takes none."""
+    mgr = make(FA, SW, ST, num_blocks=1 + 14)
+    turn1 = list(range(13))
+    cached = run(mgr, "a", turn1)[0][:3]
+    mgr.free("a")  # blocks of positions 0..11 stay cached (3 per attention group)
+    turn2 = [*turn1, *range(100, 107), 7]  # 20 tokens then one more: 0..11 cached
+    ids = mgr.allocate_external("b", turn2, 20)
+    assert ids is not None and [len(x) for x in ids] == [5, 5, 1]
+    assert mgr.num_held("b") == (3, 0, 0)  # the window at 20 starts in block 3: none held
+    assert mgr.held_tokens("b") == 12 and ids[0][:3] == cached and ids[1][:3] == [0, 0, 0]
+    mgr.commit_computed("b", 20)
+    mgr.free("b")
+    ids = mgr.allocate_external("c", turn2, 20)  # all 5 whole blocks cached now
+    assert mgr.num_held("c") == (5, 2, 0) and mgr.held_tokens("c") == 20
+    mgr.free("c", keep_cached=False)  # a failed load: the held blocks stay cached
+    assert mgr.find_prefix_hit(turn2).num_tokens == 20
+    assert mgr.allocate_external("d", turn2, 20, reuse=False) is not None
+    assert mgr.num_held("d") == (0, 0, 0) and mgr.held_tokens("d") == 0
+    mgr.free("d")
+    small = make(FA, ST, num_blocks=1 + 4)
+    run(small, "a", list(range(8)))
+    small.free("a")  # 2 attention blocks and a state snapshot cached, 4 blocks free
+    before = state_of(small)
+    assert small.allocate_external("x", list(range(30)), 29) is None
+    assert state_of(small) == before
+    assert small.allocate_external("y", list(range(13)), 12) is not None
+    assert small.num_held("y") == (2, 0)

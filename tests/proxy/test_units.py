@@ -139,6 +139,7 @@ def worker_stats(role: str) -> dict:
             "messages": 9,
             "seconds": 0.5,
             "last_error": "wrong transfer token",
+            "held_blocks": 4,
         }
         out["peers"] = ["127.0.0.1:5001", "127.0.0.1:5002"]
     out["transport"] = {
