@@ -327,6 +327,56 @@ def jamba(root: Path, name: str = "jamba", tokenizer_vocab: int | None = None, *
     return _save(model, root / name, tokenizer_vocab)
 
 
+def gpt_oss(root: Path, name: str = "gpt_oss", tokenizer_vocab: int | None = None, **overrides):
+    """Four layers alternating sliding (SW_WINDOW) and full attention, 4 experts (top 2),
+    head_dim 16, 4 query heads over 2 KV heads, YaRN RoPE (factor 4 from 512 positions, not
+    truncated) and a tighter SwiGLU limit (2.0) so that the clamps bite. Weights:
+    transformers' init at std 0.2 (attention sinks and router bias included), plus random
+    expert biases (transformers starts them at 0) and norm weights."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=SW_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 512,
+        },
+        swiglu_limit=2.0,
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    fields.update(overrides)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**fields)).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("sinks"):
+                p.normal_(0.0, 1.0)
+            elif param_name.endswith("_bias"):
+                p.normal_(0.0, 0.3)
+            elif "norm" in param_name:
+                p.normal_(1.0, 0.3)
+    return _save(model, root / name, tokenizer_vocab)
+
+
 def _save(model, folder: Path, tokenizer_vocab: int | None = None) -> Path:
     if not (folder / "config.json").exists():
         model.save_pretrained(folder, safe_serialization=True)
@@ -347,4 +397,5 @@ BUILDERS = {
     "mistral": mistral,
     "qwen2": qwen2,
     "qwen3": qwen3,
+    "gpt_oss": gpt_oss,
 }

@@ -19,6 +19,11 @@ A decode row, W blocks of B slots gathered from its block table:
 The slots marked '.' are masked, and zeroed after the gather: their bytes may be anything
 (a page last used by a state layer, read as floats, can hold NaN) and SDPA adds its mask to
 the scores, which leaves a NaN a NaN.
+
+Attention sinks (gpt-oss): a learned logit per query head joins the softmax denominator
+and has no value, so each query's weights sum to less than one. Where a layer has them,
+both paths score explicitly (no SDPA): softmax over [masked scores, sink], sink column
+dropped. The sink is finite, so even a row whose keys were all masked stays NaN-free.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
 
 # Fewest one-token sequences worth the batched decode path (below it they join the loop).
 MIN_DECODE_ROWS = 1
+# Most elements of one explicit score tensor (softcap / sinks) of a prefill chunk: 64 MiB
+# in float32; longer chunks attend in slices of queries.
+_SCORES = 2**24
 
 
 @dataclass(frozen=True)
@@ -75,27 +83,28 @@ def paged_attention(
     window: int | None = None,
     chunk: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the batch's new tokens -> out [T, Hq, D]. Writes
     the new K/V into the layer's pages.
 
     `window`: each query sees itself and the window - 1 tokens before it. `chunk`: each
-    query sees earlier tokens of its own chunk only.
+    query sees earlier tokens of its own chunk only. `sinks` [Hq]: per-head logits added
+    to each softmax denominator (gpt-oss).
     """
     cache = batch.kv.attention_view(layer_name)  # [N, 2, B, Hkv, D]
     plan = attention_plan(layer_name, batch, window, chunk)
     rows = plan.rows
     if rows is not None and rows.tokens is None:
-        return _attend_rows(q, k, v, cache, rows, scale, softcap)
+        return _attend_rows(q, k, v, cache, rows, scale, softcap, sinks)
     out = torch.empty_like(q)
     if rows is not None:
         t = rows.tokens
-        out[t] = _attend_rows(q[t], k[t], v[t], cache, rows, scale, softcap)
+        out[t] = _attend_rows(q[t], k[t], v[t], cache, rows, scale, softcap, sinks)
     for p in plan.loop:
         s = p.seq
-        out[s.start : s.end] = _attend_seq(
-            q[s.start : s.end], k[s.start : s.end], v[s.start : s.end], cache, p, scale, softcap
-        )
+        a, b = s.start, s.end
+        out[a:b] = _attend_seq(q[a:b], k[a:b], v[a:b], cache, p, scale, softcap, sinks)
     return out
 
 
@@ -182,7 +191,19 @@ def _first_key(num_computed: int, window: int | None, chunk: int | None) -> int:
     return 0
 
 
-def _attend_rows(q, k, v, cache, rows: DecodeRows, scale, softcap) -> torch.Tensor:
+def _probs(scores, visible, softcap, sink) -> torch.Tensor:
+    """Softmax weights (float32) of explicit scores [..., K]: softcap, mask, then `sink`
+    (broadcastable to [..., 1], when given) joins each row's denominator and is dropped."""
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.float().masked_fill(~visible, float("-inf"))
+    if sink is None:
+        return F.softmax(scores, dim=-1)
+    sink = sink.float().expand(*scores.shape[:-1], 1)
+    return F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+def _attend_rows(q, k, v, cache, rows: DecodeRows, scale, softcap, sinks) -> torch.Tensor:
     """One query per row: q [S, Hq, D], k/v [S, Hkv, D] -> [S, Hq, D]."""
     kc, vc = cache[:, 0], cache[:, 1]  # [N, B, Hkv, D] each
     kc[rows.blocks, rows.slots] = k.to(cache.dtype)
@@ -198,17 +219,17 @@ def _attend_rows(q, k, v, cache, rows: DecodeRows, scale, softcap) -> torch.Tens
     values = values.view(n, -1, hkv, d).transpose(1, 2)
     # the query heads that share a KV head are SDPA's query rows: GQA without repeats
     qg = q.reshape(n, hkv, hq // hkv, d)
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=rows.visible, scale=scale)
     else:
-        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~rows.visible, float("-inf"))
-        out = torch.matmul(F.softmax(scores.float(), dim=-1).to(q.dtype), values)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)) * scale  # [S, Hkv, G, W*B]
+        sink = None if sinks is None else sinks.reshape(hkv, hq // hkv, 1)
+        probs = _probs(scores, rows.visible, softcap, sink)
+        out = torch.matmul(probs.to(q.dtype), values)
     return out.reshape(n, hq, d)
 
 
-def _attend_seq(q, k, v, cache, p: SeqPlan, scale, softcap) -> torch.Tensor:
+def _attend_seq(q, k, v, cache, p: SeqPlan, scale, softcap, sinks) -> torch.Tensor:
     """One sequence's queries: q [n, Hq, D], k/v [n, Hkv, D] -> [n, Hq, D]."""
     cache[p.blocks, 0, p.slots] = k.to(cache.dtype)
     cache[p.blocks, 1, p.slots] = v.to(cache.dtype)
@@ -216,7 +237,7 @@ def _attend_seq(q, k, v, cache, p: SeqPlan, scale, softcap) -> torch.Tensor:
     kv = cache.index_select(0, p.read)  # [nb, 2, B, Hkv, D]
     kv = kv.transpose(0, 1).flatten(1, 2)[:, p.offset : p.offset + num_keys]
     hq, hkv = q.shape[1], kv.shape[2]
-    if softcap is None:
+    if softcap is None and sinks is None:
         # SDPA's fused CPU kernel: ~1.7x the einsum path below at prefill sizes, and GQA
         # without repeating K/V. Every query sees itself, so no row is fully masked.
         out = F.scaled_dot_product_attention(
@@ -228,10 +249,17 @@ def _attend_seq(q, k, v, cache, p: SeqPlan, scale, softcap) -> torch.Tensor:
             enable_gqa=hq != hkv,
         )  # [Hq, n, D]
         return out.transpose(0, 1)
-    keys = kv[0].to(q.dtype).repeat_interleave(hq // hkv, dim=1)
-    values = kv[1].to(q.dtype).repeat_interleave(hq // hkv, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~p.visible, float("-inf"))
-    probs = F.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.einsum("hqk,khd->qhd", probs, values)
+    # explicit scores, [Hkv, G, n, K] for the query heads sharing a KV head: GQA without
+    # repeats; queries in slices of at most _SCORES elements of scores
+    n, d, g = q.shape[0], q.shape[2], hq // hkv
+    keys, values = kv[0].to(q.dtype), kv[1].to(q.dtype)  # [K, Hkv, D]
+    sink = None if sinks is None else sinks.reshape(hkv, g, 1, 1)
+    qg = q.reshape(n, hkv, g, d)
+    out = torch.empty_like(q)
+    step = max(1, _SCORES // (hq * num_keys))
+    for a in range(0, n, step):
+        scores = torch.einsum("qhgd,khd->hgqk", qg[a : a + step], keys) * scale
+        probs = _probs(scores, p.visible[a : a + step], softcap, sink).to(q.dtype)
+        part = torch.einsum("hgqk,khd->qhgd", probs, values)
+        out[a : a + step] = part.reshape(-1, hq, d)
+    return out

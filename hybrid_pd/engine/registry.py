@@ -18,6 +18,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "NemotronHForCausalLM": "nemotron_h:NemotronHForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3ForCausalLM",
+    "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
     "LlamaForCausalLM": "llama:DenseForCausalLM",
     "MistralForCausalLM": "llama:DenseForCausalLM",
     "Qwen2ForCausalLM": "llama:DenseForCausalLM",

@@ -1,5 +1,6 @@
 """Prefill-chunk attention (`paged_attention._attend_seq`) against a dense reference: a chunk
-written after earlier tokens, GQA, sliding window and chunked masks, and the soft-capped path."""
+written after earlier tokens, GQA, sliding window and chunked masks, and the explicit-score
+path (soft cap, attention sinks, queries in slices)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybrid_pd.engine import paged_attention
 from hybrid_pd.engine.batch import SeqInfo
 from hybrid_pd.engine.paged_attention import _attend_seq, _seq_plan
 
 BS, HQ, HKV, D = 4, 6, 2, 8
 
 
-def _reference(q, keys, values, num_computed, scale, window, chunk, softcap):
+def _reference(q, keys, values, num_computed, scale, window, chunk, softcap, sinks):
     """q [n, Hq, D] at positions num_computed.., keys/values [T, Hkv, D] at 0.."""
     n, t = q.shape[0], keys.shape[0]
     qpos = torch.arange(num_computed, num_computed + n)[:, None]
@@ -29,16 +31,36 @@ def _reference(q, keys, values, num_computed, scale, window, chunk, softcap):
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    probs = F.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        probs = F.softmax(scores, dim=-1)
+    else:  # one extra logit per head in the denominator, with no value
+        sink = sinks.double()[:, None, None].expand(HQ, n, 1)
+        probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.einsum("hqk,khd->qhd", probs, v).float()
 
 
 @pytest.mark.parametrize(
-    ("window", "chunk", "softcap"),
-    [(None, None, None), (5, None, None), (None, 8, None), (5, None, 3.0)],
+    ("window", "chunk", "softcap", "sinks"),
+    [
+        (None, None, None, False),
+        (5, None, None, False),
+        (None, 8, None, False),
+        (5, None, 3.0, False),
+        (None, None, None, True),
+        (5, None, None, True),
+        (5, None, 3.0, True),
+    ],
 )
 @pytest.mark.parametrize("num_computed", [0, 7])
-def test_attend_seq_matches_reference(window, chunk, softcap, num_computed):
+@pytest.mark.parametrize("sliced", [False, True])  # explicit scores a few queries at a time
+def test_attend_seq_matches_reference(
+    window, chunk, softcap, sinks, num_computed, sliced, monkeypatch
+):
+    if sliced:
+        if softcap is None and not sinks:
+            pytest.skip("SDPA path: no slices")
+        monkeypatch.setattr(paged_attention, "_SCORES", 2 * HQ * 16)
     g = torch.Generator().manual_seed(0)
     n = 9
     total = num_computed + n
@@ -50,9 +72,10 @@ def test_attend_seq_matches_reference(window, chunk, softcap, num_computed):
         cache[table[pos // BS], 0, pos % BS] = keys[pos]
         cache[table[pos // BS], 1, pos % BS] = values[pos]
     q = torch.randn(n, HQ, D, generator=g)
+    sink = torch.randn(HQ, generator=g) * 2 if sinks else None
     seq = SeqInfo("r", 0, n, num_computed, (table,))
     plan = _seq_plan(seq, table, BS, window, chunk, torch.device("cpu"))
     new = slice(num_computed, total)
-    out = _attend_seq(q, keys[new], values[new], cache, plan, 0.3, softcap)
-    expected = _reference(q, keys, values, num_computed, 0.3, window, chunk, softcap)
+    out = _attend_seq(q, keys[new], values[new], cache, plan, 0.3, softcap, sink)
+    expected = _reference(q, keys, values, num_computed, 0.3, window, chunk, softcap, sink)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

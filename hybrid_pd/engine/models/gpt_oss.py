@@ -1,0 +1,262 @@
+"""gpt-oss (transformers ``GptOssForCausalLM``) on the paged KV cache.
+
+Per layer: x += o_proj(attention(input_layernorm(x))); x += moe(post_attention_layernorm(x)),
+RMS norms with the weight applied in float32 before the cast back. Attention:
+
+  * q/k/v/o projections with biases, GQA, softmax scale head_dim^-0.5;
+  * RoPE from `rope.py` (gpt-oss ships YaRN, factor 32 from 4096 positions, not truncated;
+    a config without RoPE fields gets transformers' GptOssConfig default, theta 150000);
+  * attention sinks: a learned logit per query head in every softmax denominator, with no
+    value (`paged_attention(..., sinks=)`);
+  * ``layer_types`` alternates sliding-window and full attention; which layers slide, and
+    their window, is read from the layer cache specs (`kvcache.hf_configs`), so attention
+    reads exactly what the cache keeps (a query sees itself and the window - 1 before it).
+
+MoE: router logits = x W^T + b; the top k logits are chosen and softmaxed among themselves.
+Each expert: gate_up = x W_gu + b_gu, whose columns interleave gate (even) and up (odd);
+gate clamped above at ``swiglu_limit``, up to [-limit, limit];
+out = ((up + 1) * gate * sigmoid(alpha * gate)) W_down + b_down, weighted by the router.
+
+Checkpoint names are transformers' (what ``save_pretrained`` writes): ``mlp.experts.
+gate_up_proj`` [E, hidden, 2I], ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, hidden],
+``down_proj_bias`` [E, hidden], ``mlp.router.weight`` / ``bias``, ``self_attn.sinks`` [Hq].
+The parameters here keep those names but hold the expert matrices as [E, out, in] (the
+layout of `onednn.linear`), gate_up with the gate rows first and the up rows after (the
+interleaving undone once, at load). MXFP4-quantized checkpoints (``*_blocks`` /
+``*_scales``, as openai publishes) are refused: dequantize them to bfloat16 first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.common import RMSNorm, config_int, copy_weight
+from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings, rotate
+from hybrid_pd.engine.onednn import linear
+from hybrid_pd.engine.paged_attention import paged_attention
+from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
+from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
+
+_ARCH = "gpt-oss"
+# GptOssConfig's RoPE when a config names none (transformers 5.24).
+_DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+_DEFAULT_THETA = 150_000.0
+_QUANTIZED_SUFFIXES = ("_blocks", "_scales")
+
+
+def _int(c: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    return config_int(_ARCH, key, c.get(key, default))
+
+
+class _Settings:
+    """A gpt-oss config dict, validated, with GptOssConfig's defaults."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        c = dict(config.get("text_config") or config)
+        self.vocab = _int(c, "vocab_size", 201088)
+        self.hidden = _int(c, "hidden_size", 2880)
+        self.intermediate = _int(c, "intermediate_size", 2880)
+        self.num_heads = _int(c, "num_attention_heads", 64)
+        self.num_experts = _int(c, "num_local_experts", 128)
+        self.top_k = _int(c, "num_experts_per_tok", 4)
+        if self.top_k > self.num_experts:
+            raise ValueError(f"{_ARCH}: num_experts_per_tok exceeds num_local_experts")
+        self.eps = float(c.get("rms_norm_eps") or 1e-5)
+        self.alpha = float(c.get("swiglu_alpha") or 1.702)
+        self.limit = float(c.get("swiglu_limit") or 7.0)
+        self.tie = bool(c.get("tie_word_embeddings") or False)
+        self.attention_bias = bool(c.get("attention_bias", True))
+        if not (c.get("rope_scaling") or c.get("rope_parameters")):
+            c["rope_parameters"] = dict(_DEFAULT_ROPE)
+        if c.get("rope_theta") is None and "rope_theta" not in (
+            c.get("rope_scaling") or c.get("rope_parameters")
+        ):
+            c["rope_theta"] = _DEFAULT_THETA
+        self.rope = rope_settings(c, _ARCH)
+        specs = cache_spec_from_config(dict(config), dtype="float32").layers
+        n = _int(c, "num_hidden_layers", 36)
+        self.specs: list[AttentionSpec] = [specs[f"model.layers.{i}"] for i in range(n)]
+        head_dims = {s.head_dim for s in self.specs}
+        kv_heads = {s.num_kv_heads for s in self.specs}
+        if len(head_dims) != 1 or len(kv_heads) != 1:
+            raise ValueError(f"{_ARCH}: layers disagree on head_dim / KV heads")
+        self.head_dim, self.num_kv_heads = head_dims.pop(), kv_heads.pop()
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{_ARCH}: num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+
+    @staticmethod
+    def window(spec: AttentionSpec) -> int | None:
+        return spec.window if isinstance(spec, SlidingWindowSpec) else None
+
+
+class Attention(nn.Module):
+    def __init__(self, s: _Settings, idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = s.attention_bias
+        self.q_proj = nn.Linear(s.hidden, q_out, bias=bias)
+        self.k_proj = nn.Linear(s.hidden, kv_out, bias=bias)
+        self.v_proj = nn.Linear(s.hidden, kv_out, bias=bias)
+        self.o_proj = nn.Linear(q_out, s.hidden, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
+        self.layer_name = f"model.layers.{idx}"
+        self.scale = self.head_dim**-0.5
+        self.window = s.window(s.specs[idx])
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = paged_attention(
+            self.layer_name, q, k, v, batch, scale=self.scale, window=self.window, sinks=self.sinks
+        )
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class Experts(nn.Module):
+    """The expert matrices as [E, out, in]; gate_up: gate rows, then up rows."""
+
+    def __init__(self, s: _Settings) -> None:
+        super().__init__()
+        e, h, i = s.num_experts, s.hidden, s.intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.down_proj_bias = nn.Parameter(torch.empty(e, h))
+        self.alpha, self.limit = s.alpha, s.limit
+
+    def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, self.gate_up_proj[e], self.gate_up_proj_bias[e]).chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return linear(h, self.down_proj[e], self.down_proj_bias[e])
+
+
+class MoE(nn.Module):
+    def __init__(self, s: _Settings) -> None:
+        super().__init__()
+        self.top_k = s.top_k
+        self.router = nn.Linear(s.hidden, s.num_experts, bias=True)
+        self.experts = Experts(s)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_logits, top_idx = self.router(x).topk(self.top_k, dim=-1)
+        top_w = torch.softmax(top_logits, dim=-1)
+        out = torch.zeros_like(x)
+        for e in top_idx.unique().tolist():
+            token, slot = torch.nonzero(top_idx == e, as_tuple=True)
+            y = self.experts(e, x[token])
+            out.index_add_(0, token, y * top_w[token, slot, None])
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: _Settings, idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(s, idx)
+        self.mlp = MoE(s)
+        self.input_layernorm = RMSNorm(s.hidden, s.eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
+
+    def forward(self, x, cos, sin, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, s: _Settings) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(len(s.specs)))
+        self.norm = RMSNorm(s.hidden, s.eps)
+        # A plain attribute, not a buffer: model.to(dtype) must not round the frequencies.
+        self.inv_freq, self.rope_scale = inverse_frequencies(s.rope, s.head_dim)
+
+
+class GptOssForCausalLM(nn.Module):
+    def __init__(self, config: dict) -> None:
+        super().__init__()
+        self.settings = s = _Settings(config)
+        self.config = config
+        self.model = _Backbone(s)
+        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        embed = self.model.embed_tokens
+        x = embed(batch.input_ids.to(embed.weight.device))
+        positions = batch.positions.to(x.device)
+        cos, sin = cos_sin(self.model.inv_freq, positions, self.model.rope_scale, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing weights
+        raise (KeyError / ValueError), naming the tensor."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for key, tensor in weights:
+            if key.endswith(_QUANTIZED_SUFFIXES):
+                raise NotImplementedError(
+                    f"{_ARCH}: {key!r} is MXFP4-quantized; the engine needs a checkpoint "
+                    "with plain (bfloat16 / float32) expert weights"
+                )
+            if key == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to the embedding
+            copy_weight(params, key, _our_layout(key, tensor, params.get(key)), _ARCH, key)
+            loaded.add(key)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise KeyError(f"{_ARCH}: weights missing from the checkpoint: {missing[:8]}")
+
+
+def _our_layout(key: str, tensor: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
+    """A checkpoint expert tensor in our layout (other tensors unchanged). The checkpoint's
+    shape is checked first, so a transposed tensor cannot slip through."""
+    if key.endswith("experts.gate_up_proj"):  # [E, hidden, 2I], gate / up interleaved
+        _check_shape(key, tensor, param, (0, 2, 1))
+        w = tensor.transpose(1, 2)
+        return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
+    if key.endswith("experts.gate_up_proj_bias"):  # [E, 2I], interleaved
+        return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
+    if key.endswith("experts.down_proj"):  # [E, I, hidden]
+        _check_shape(key, tensor, param, (0, 2, 1))
+        return tensor.transpose(1, 2)
+    return tensor
+
+
+def _check_shape(key, tensor, param, perm) -> None:
+    if param is None:
+        return  # copy_weight names the unexpected tensor
+    want = tuple(param.shape[p] for p in perm)
+    if tuple(tensor.shape) != want:
+        raise ValueError(
+            f"{_ARCH}: weight {key!r} has shape {tuple(tensor.shape)}, expected {want}"
+        )
