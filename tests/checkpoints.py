@@ -331,7 +331,7 @@ def qwen3_next(
     root: Path, name: str = "qwen3_next", tokenizer_vocab: int | None = None, **overrides
 ) -> Path:
     """Four layers, full attention every second (GDN, attention, GDN, attention); GDN with 2
-    key heads of 16 and 4 value heads of 8 (two value heads per key head, so the fused
+    key heads of 32 and 4 value heads of 16 (two value heads per key head, so the fused
     projections' per-key-head grouping matters); attention head_dim 32 with RoPE on a quarter;
     MoE (4 experts, top 2, plus the gated shared expert) on layers 0, 1 and 3, a dense MLP on
     layer 2 (`mlp_only_layers`). Weights: transformers' init at std 0.2, then the decays
@@ -352,8 +352,8 @@ def qwen3_next(
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
         num_experts=4,
         num_experts_per_tok=2,
