@@ -377,6 +377,63 @@ def gpt_oss(root: Path, name: str = "gpt_oss", tokenizer_vocab: int | None = Non
     return _save(model, root / name, tokenizer_vocab)
 
 
+def qwen3_next(
+    root: Path, name: str = "qwen3_next", tokenizer_vocab: int | None = None, **overrides
+) -> Path:
+    """Four layers, full attention every second (GDN, attention, GDN, attention); GDN with 2
+    key heads of 32 and 4 value heads of 16 (two value heads per key head, so the fused
+    projections' per-key-head grouping matters); attention head_dim 32 with RoPE on a quarter;
+    MoE (4 experts, top 2, plus the gated shared expert) on layers 0, 1 and 3, a dense MLP on
+    layer 2 (`mlp_only_layers`). Weights: transformers' init at std 0.2, then the decays
+    spread and random norm weights (the (1 + w) norms around 0, the gated one around 1)."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        full_attention_interval=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        partial_rotary_factor=0.25,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        decoder_sparse_step=1,
+        mlp_only_layers=[2],
+        norm_topk_prob=True,
+        initializer_range=0.2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    fields.update(overrides)
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**fields)).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("A_log"):
+                p.uniform_(-2.0, 1.0)
+            elif param_name.endswith("dt_bias"):
+                p.uniform_(-1.5, 1.0)
+            elif param_name.endswith("linear_attn.norm.weight"):
+                p.normal_(1.0, 0.3)
+            elif param_name.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    return _save(model, root / name, tokenizer_vocab)
+
+
 def _save(model, folder: Path, tokenizer_vocab: int | None = None) -> Path:
     if not (folder / "config.json").exists():
         model.save_pretrained(folder, safe_serialization=True)
@@ -398,4 +455,5 @@ BUILDERS = {
     "qwen2": qwen2,
     "qwen3": qwen3,
     "gpt_oss": gpt_oss,
+    "qwen3_next": qwen3_next,
 }

@@ -12,6 +12,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3NextForCausalLM": "qwen3_5:Qwen3NextForCausalLM",
     "GraniteMoeHybridForCausalLM": "granite_hybrid:GraniteMoeHybridForCausalLM",
     "BambaForCausalLM": "bamba:BambaForCausalLM",
     "JambaForCausalLM": "jamba:JambaForCausalLM",

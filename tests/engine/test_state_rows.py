@@ -31,7 +31,8 @@ def _one_thread():
 
 
 @pytest.fixture(
-    scope="module", params=["granite_hybrid", "bamba", "nemotron_h", "jamba", "qwen3_5"]
+    scope="module",
+    params=["granite_hybrid", "bamba", "nemotron_h", "jamba", "qwen3_5", "qwen3_next"],
 )
 def arch(request, tmp_path_factory):
     path = getattr(checkpoints, request.param)(tmp_path_factory.mktemp(request.param))

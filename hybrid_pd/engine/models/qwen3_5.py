@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense text model): Gated DeltaNet layers mixed with gated full attention.
+"""Qwen3.5 and Qwen3-Next: Gated DeltaNet layers mixed with gated full attention.
 
 Layer kinds come from ``layer_types`` (else a full-attention layer every
 ``full_attention_interval`` layers, default 4):
@@ -15,12 +15,25 @@ Layer kinds come from ``layer_types`` (else a full-attention layer every
 
 Norms other than the gated one use the (1 + weight) form. The text-only position ids of the
 multimodal rotary (mrope) are equal on its three axes, so it reduces to plain rotary here.
+
+The two families share every formula; a `Family` row holds what differs:
+
+  family      GDN input projections              MoE layers                   top-k renorm
+  Qwen3.5     in_proj_qkv, _z, _b, _a            all (when num_experts)       always
+  Qwen3-Next  in_proj_qkvz, in_proj_ba, fused    decoder_sparse_step and      norm_topk_prob
+              and grouped per key head           mlp_only_layers pick them
+
+Qwen3-Next's fused rows come per key head h: [q_h (dk), k_h (dk), v (r x dv), z (r x dv)]
+and [b (r), a (r)], r = value heads per key head (value heads h*r .. h*r + r - 1); split,
+they are Qwen3.5's q / k / v / z / b / a. Dense layers of a Qwen3-Next MoE model use
+``intermediate_size``.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,15 +53,46 @@ from hybrid_pd.engine.paged import (
 )
 from hybrid_pd.engine.paged_attention import paged_attention
 
-__all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "tiny_qwen3_5_config"]
+__all__ = [
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "tiny_qwen3_5_config",
+]
 
 GDN_CHUNK = 64  # tokens per block of the chunked (parallel) delta rule
 _IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 
 
+@dataclass(frozen=True)
+class Family:
+    """What differs between Qwen3.5 and Qwen3-Next (see the module docstring)."""
+
+    name: str
+    fused_gdn_proj: bool = False  # in_proj_qkvz / in_proj_ba, grouped per key head
+    sparse_step: bool = False  # decoder_sparse_step / mlp_only_layers choose the MoE layers
+    norm_topk_key: bool = False  # norm_topk_prob from the config, else always renormalise
+
+
+QWEN3_5 = Family("Qwen3.5")
+QWEN3_NEXT = Family("Qwen3-Next", fused_gdn_proj=True, sparse_step=True, norm_topk_key=True)
+
+
 def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     text = config.get("text_config")
     return dict(text) if isinstance(text, Mapping) else dict(config)
+
+
+def _moe_layers(cfg: Mapping[str, Any], family: Family) -> list[bool]:
+    """Which layers have the sparse MoE block (the others a dense MLP)."""
+    n = int(cfg["num_hidden_layers"])
+    if not cfg.get("num_experts"):
+        return [False] * n
+    if not family.sparse_step:
+        return [True] * n
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    return [i not in dense and (i + 1) % step == 0 for i in range(n)]
 
 
 def _layer_types(cfg: Mapping[str, Any]) -> list[str]:
@@ -60,7 +104,7 @@ def _layer_types(cfg: Mapping[str, Any]) -> list[str]:
     kinds = list(kinds)[:n]
     for kind in kinds:
         if kind not in ("full_attention", "linear_attention"):
-            raise ValueError(f"Qwen3.5: unknown layer type {kind!r}")
+            raise ValueError(f"Qwen3.5 / Qwen3-Next: unknown layer type {kind!r}")
     return kinds
 
 
@@ -69,7 +113,7 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, float]:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ("default", "mrope"):
-        raise ValueError(f"Qwen3.5: rope_type {kind!r} is not supported")
+        raise ValueError(f"Qwen3.5 / Qwen3-Next: rope_type {kind!r} is not supported")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
     return float(theta), float(factor)
@@ -140,7 +184,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: Mapping[str, Any], layer_name: str) -> None:
+    def __init__(self, cfg: Mapping[str, Any], layer_name: str, fused: bool = False) -> None:
         super().__init__()
         hidden = int(cfg["hidden_size"])
         self.layer_name = layer_name
@@ -149,16 +193,23 @@ class GatedDeltaNet(nn.Module):
         self.dk = int(cfg["linear_key_head_dim"])
         self.dv = int(cfg["linear_value_head_dim"])
         if self.v_heads % self.k_heads:
-            raise ValueError("Qwen3.5: linear_num_value_heads must be a multiple of key heads")
+            raise ValueError(
+                "Qwen3.5 / Qwen3-Next: linear_num_value_heads must be a multiple of key heads"
+            )
         self.key_dim = self.k_heads * self.dk
         self.value_dim = self.v_heads * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = int(cfg.get("linear_conv_kernel_dim", 4))
         self.act = activation(cfg.get("hidden_act", "silu"))
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.v_heads, bias=False)
+        self.fused = fused
+        if fused:  # Qwen3-Next: rows grouped per key head
+            self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * self.v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden, self.v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden, self.v_heads, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False
         )
@@ -167,12 +218,26 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, float(cfg.get("rms_norm_eps", 1e-6)))
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
+    def _project(self, x: torch.Tensor):
+        """x [t, hidden] -> conv input qkv [t, 2 key_dim + value_dim] (all q, all k, all v),
+        gate z [t, Hv, dv], b and a [t, Hv]."""
+        t = x.shape[0]
+        if not self.fused:
+            z = self.in_proj_z(x).view(t, self.v_heads, self.dv)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        r = self.v_heads // self.k_heads
+        qkvz = self.in_proj_qkvz(x).view(t, self.k_heads, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], -1)
+        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)
+        b, a = self.in_proj_ba(x).view(t, self.k_heads, 2 * r).split([r, r], -1)
+        z = z.reshape(t, self.v_heads, self.dv)
+        return qkv, z, b.reshape(t, self.v_heads), a.reshape(t, self.v_heads)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(t, self.v_heads, self.dv)
-        beta = self.in_proj_b(x).sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        qkv, z, b, a = self._project(x)
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         rows, rest = split_state_seqs(self.layer_name, batch)
         if rows is not None and not rest:  # every sequence adds one token, in row order
             core = self._step_rows(batch, rows, qkv, g, beta).to(x.dtype)
@@ -276,13 +341,15 @@ class GatedAttention(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Qwen3.5-MoE MLP: softmax router, top-k experts (weights renormalised to sum to 1) plus
+    """Qwen3.5-MoE / Qwen3-Next MLP: softmax router, top-k experts (weights renormalised to
+    sum to 1 unless `norm_topk` is off) plus
     a shared expert scaled by sigmoid(shared_expert_gate(x)). Expert weights are stacked:
     gate_proj / up_proj [E, I, H], down_proj [E, H, I]."""
 
-    def __init__(self, cfg: Mapping[str, Any]) -> None:
+    def __init__(self, cfg: Mapping[str, Any], norm_topk: bool = True) -> None:
         super().__init__()
         hidden = int(cfg["hidden_size"])
+        self.norm_topk = norm_topk
         self.num_experts = int(cfg["num_experts"])
         self.top_k = int(cfg["num_experts_per_tok"])
         inter = int(cfg["moe_intermediate_size"])
@@ -299,7 +366,9 @@ class SparseMoE(nn.Module):
         logits = self.gate(x)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(-1, keepdim=True)).to(logits.dtype)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(logits.dtype)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
             tok, slot = torch.where(experts == e)
@@ -312,17 +381,20 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Mapping[str, Any], index: int, kind: str) -> None:
+    def __init__(
+        self, cfg: Mapping[str, Any], index: int, kind: str, moe: bool, family: Family
+    ) -> None:
         super().__init__()
         hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
         name = f"model.layers.{index}"
         self.kind = kind
         if kind == "linear_attention":
-            self.linear_attn = GatedDeltaNet(cfg, name)
+            self.linear_attn = GatedDeltaNet(cfg, name, fused=family.fused_gdn_proj)
         else:
             self.self_attn = GatedAttention(cfg, name)
-        if cfg.get("num_experts"):
-            self.mlp: nn.Module = SparseMoE(cfg)
+        if moe:
+            norm_topk = bool(cfg.get("norm_topk_prob", True)) if family.norm_topk_key else True
+            self.mlp: nn.Module = SparseMoE(cfg, norm_topk)
         else:
             act = cfg.get("hidden_act", "silu")
             self.mlp = GatedMLP(hidden, int(cfg["intermediate_size"]), act)
@@ -337,12 +409,13 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, cfg: Mapping[str, Any]) -> None:
+    def __init__(self, cfg: Mapping[str, Any], family: Family = QWEN3_5) -> None:
         super().__init__()
         hidden = int(cfg["hidden_size"])
         self.embed_tokens = nn.Embedding(int(cfg["vocab_size"]), hidden)
+        kinds, moe = _layer_types(cfg), _moe_layers(cfg, family)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, kind) for i, kind in enumerate(_layer_types(cfg))
+            DecoderLayer(cfg, i, kind, moe[i], family) for i, kind in enumerate(kinds)
         )
         self.norm = RMSNorm(hidden, float(cfg.get("rms_norm_eps", 1e-6)), offset=1.0)
 
@@ -357,13 +430,15 @@ class Qwen3_5ForCausalLM(nn.Module):
     """Qwen3.5 text model: ``Qwen3_5ForCausalLM`` / ``Qwen3_5ForConditionalGeneration``, and
     the MoE variant (``num_experts`` in the config) of ``Qwen3_5Moe*``."""
 
+    family = QWEN3_5
+
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
         cfg = _text_config(config)
         self.config = cfg
         tie = config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
         self.tie_word_embeddings = bool(tie)
-        self.model = Qwen3_5Model(cfg)
+        self.model = Qwen3_5Model(cfg, self.family)
         self.lm_head = nn.Linear(int(cfg["hidden_size"]), int(cfg["vocab_size"]), bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -391,11 +466,11 @@ class Qwen3_5ForCausalLM(nn.Module):
                 continue  # tied: the embedding is the head
             for target, expert, part in _split_checkpoint_tensor(name, tensor):
                 if target not in params:
-                    raise KeyError(f"Qwen3.5: unexpected weight {name!r}")
+                    raise KeyError(f"{self.family.name}: unexpected weight {name!r}")
                 dest = params[target] if expert is None else params[target][expert]
                 if tuple(dest.shape) != tuple(part.shape):
                     raise ValueError(
-                        f"Qwen3.5: weight {name!r} has shape {tuple(part.shape)}, "
+                        f"{self.family.name}: weight {name!r} has shape {tuple(part.shape)}, "
                         f"expected {tuple(dest.shape)}"
                     )
                 dest.copy_(part.to(dest.dtype))
@@ -415,7 +490,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                 expected.add(pname)
         missing = sorted(expected - loaded)
         if missing:
-            raise KeyError(f"Qwen3.5: checkpoint is missing weights {missing[:8]}")
+            raise KeyError(f"{self.family.name}: checkpoint is missing weights {missing[:8]}")
 
 
 _EXPERT = re.compile(r"(.+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -435,6 +510,12 @@ def _split_checkpoint_tensor(name: str, tensor: torch.Tensor):
 
 
 Qwen3_5MoeForCausalLM = Qwen3_5ForCausalLM  # same class; the config decides dense or MoE
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next (``Qwen3NextForCausalLM``): the Qwen3.5 model with the QWEN3_NEXT switches."""
+
+    family = QWEN3_NEXT
 
 
 def tiny_qwen3_5_config() -> dict[str, Any]:
