@@ -286,6 +286,48 @@ def nemotron_h(
     return _save(model, root / name, tokenizer_vocab)
 
 
+def falcon_h1(root: Path, name: str = "falcon_h1", tokenizer_vocab: int | None = None, **overrides):
+    """Three layers, each attention (4 query / 2 KV heads of 32, not 64 / 4) beside Mamba2
+    (8 heads, inner size mamba_d_ssm 96, not mamba_expand x hidden; B/C in 2 groups), every
+    muP multiplier away from 1, the grouped gated RMSNorm after the gate, and biases on
+    every projection."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(
+        _MAMBA2,
+        num_hidden_layers=3,
+        head_dim=32,
+        attention_bias=True,
+        mlp_bias=True,
+        projectors_bias=True,
+        mamba_proj_bias=True,
+        mamba_d_ssm=96,
+        mamba_n_heads=8,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_n_groups=2,
+        mamba_chunk_size=MAMBA_CHUNK,
+        mamba_rms_norm=True,
+        mamba_norm_before_gate=False,
+        embedding_multiplier=1.5,
+        lm_head_multiplier=0.7,
+        key_multiplier=0.6,
+        attention_in_multiplier=1.3,
+        attention_out_multiplier=0.8,
+        ssm_in_multiplier=0.9,
+        ssm_out_multiplier=1.2,
+        mlp_multipliers=[0.8, 1.1],
+        ssm_multipliers=[0.7, 1.2, 0.9, 1.4, 0.6],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    fields.update(overrides)
+    model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**fields)).eval()
+    _spread_mamba2(model)
+    return _save(model, root / name, tokenizer_vocab)
+
+
 def jamba(root: Path, name: str = "jamba", tokenizer_vocab: int | None = None, **overrides):
     """Five layers: attention at 1 and 4 (period 3, offset 1), Mamba1 at 0, 2, 3; MoE (4
     experts, top 2) at 1 and 3; dt rank 8, projection biases. Weights: transformers' init at
@@ -449,6 +491,7 @@ BUILDERS = {
     "bamba": bamba,
     "nemotron_h": nemotron_h,
     "jamba": jamba,
+    "falcon_h1": falcon_h1,
     "gemma3": gemma3,
     "llama": llama,
     "mistral": mistral,

@@ -17,6 +17,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "BambaForCausalLM": "bamba:BambaForCausalLM",
     "JambaForCausalLM": "jamba:JambaForCausalLM",
     "NemotronHForCausalLM": "nemotron_h:NemotronHForCausalLM",
+    "FalconH1ForCausalLM": "falcon_h1:FalconH1ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3ForCausalLM",
     "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",

@@ -2,8 +2,12 @@
 
 Each supported ``architectures[0]`` maps, through `_REGISTRY`, to a builder that reads the
 language-model settings (``text_config`` for multimodal checkpoints, else the top level) and
-returns one layer spec per decoder layer, or ``None`` for a layer that owns no cache (Nemotron-H
-MLP / MoE blocks). Layers are named ``model.layers.{i}`` after the decoder layer index.
+returns one entry per decoder layer: a layer spec, ``None`` for a layer that owns no cache
+(Nemotron-H MLP / MoE blocks), or, for a layer with several cache-owning modules (Falcon-H1:
+attention and Mamba2 side by side), a mapping from module name to spec. Cache layers are named
+after the module that owns the cache: ``model.layers.{i}`` for a layer with one such module
+(every architecture but Falcon-H1), ``model.layers.{i}.{module}`` otherwise
+(``model.layers.{i}.self_attn`` and ``model.layers.{i}.mamba``, transformers' module names).
 
 Missing fields: defaults are applied only where published checkpoints rely on the transformers
 config default (Gemma 3 ``text_config`` omits heads and window, Qwen omits
@@ -204,7 +208,12 @@ def cache_spec_from_config(
     text = cfg["text_config"] if isinstance(cfg.get("text_config"), Mapping) else cfg
     fields = _Fields(arch, text, defaults)
     per_layer = build(fields, _dtypes(cfg, text, dtype))
-    layers = {f"model.layers.{i}": s for i, s in enumerate(per_layer) if s is not None}
+    layers: dict[str, LayerSpec] = {}
+    for i, entry in enumerate(per_layer):
+        if isinstance(entry, Mapping):
+            layers.update({f"model.layers.{i}.{module}": s for module, s in entry.items()})
+        elif entry is not None:
+            layers[f"model.layers.{i}"] = entry
     return ModelCacheSpec(
         architecture=arch, layers=layers, max_model_len=fields.opt_size("max_position_embeddings")
     )
@@ -281,7 +290,7 @@ def _granite_mamba(f: _Fields, d: _Dtypes) -> LayerSpec:
 
 # --------------------------------------------------------------------------- builders
 
-_Layers = list[LayerSpec | None]
+_Layers = list[LayerSpec | Mapping[str, LayerSpec] | None]
 
 
 def _qwen_gdn(f: _Fields, d: _Dtypes) -> _Layers:
@@ -397,6 +406,36 @@ def _nemotron_h(f: _Fields, d: _Dtypes) -> _Layers:
     return _map(kinds, makers)
 
 
+def _falcon_h1(f: _Fields, d: _Dtypes) -> _Layers:
+    """Falcon-H1: every layer runs attention and a Mamba2 mixer side by side, so each layer
+    owns a KV slot (``self_attn``) and a state slot (``mamba``). The Mamba inner size is
+    ``mamba_d_ssm``, or ``mamba_expand * hidden_size`` when that is null."""
+    heads = f.size("mamba_n_heads")
+    if "mamba_d_ssm" not in f.values:
+        raise ValueError(f"{f.arch}: config is missing required field 'mamba_d_ssm'")
+    inner = f.opt_size("mamba_d_ssm") or f.size("mamba_expand") * f.size("hidden_size")
+    head_dim = f.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim == "auto" else f.size("mamba_d_head")
+    if head_dim * heads != inner:
+        raise ValueError(
+            f"{f.arch}: mamba_n_heads {heads} x mamba_d_head {head_dim} is not the Mamba "
+            f"inner size {inner}"
+        )
+    layer = {
+        "self_attn": _full(f, d),
+        "mamba": mamba2_state_spec(
+            num_heads=heads,
+            head_dim=head_dim,
+            state_size=f.size("mamba_d_state"),
+            n_groups=f.size("mamba_n_groups"),
+            conv_kernel=f.size("mamba_d_conv"),
+            conv_dtype=d.conv,
+            ssm_dtype=d.ssm,
+        ),
+    }
+    return [layer] * f.num_layers()
+
+
 def _llama4(f: _Fields, d: _Dtypes) -> _Layers:
     """Llama 4: chunked local attention on RoPE layers, global full attention on NoPE layers."""
     kinds = _layer_types(f, {"chunked_attention", "full_attention"})
@@ -477,6 +516,7 @@ _REGISTRY: dict[str, tuple[_Builder, Mapping[str, Any]]] = {
     "BambaForCausalLM": (_bamba, _MAMBA2_DEFAULTS),
     "JambaForCausalLM": (_jamba, {}),
     "NemotronHForCausalLM": (_nemotron_h, {}),
+    "FalconH1ForCausalLM": (_falcon_h1, {"mamba_d_head": "auto"}),
     "GptOssForCausalLM": (_sliding_full, {"sliding_window_pattern": 2}),
     "Llama4ForConditionalGeneration": (_llama4, _LLAMA4_DEFAULTS),
     "Llama4ForCausalLM": (_llama4, _LLAMA4_DEFAULTS),

@@ -10,6 +10,11 @@ Fields not checked against the published file (everything else was seen verbatim
 copies of these configs): the order of Granite-4.0-H-Small's four attention layers (36 mamba /
 4 attention is confirmed; positions 5/15/25/35 are assumed), Bamba-9B's
 ``max_position_embeddings``, and the ``dtype`` key of Qwen3.5-27B's ``text_config``.
+Falcon-H1-7B-Instruct was written from memory and transformers' size table (44 layers, hidden
+3072, 12 query / 2 KV heads of 128, 24 Mamba heads of 128, state 256, 256K context); not
+checked against the published file: ``mamba_n_groups``, ``mamba_chunk_size``,
+``intermediate_size``, ``vocab_size``, ``mamba_rms_norm`` / ``mamba_norm_before_gate`` and
+the muP multipliers.
 """
 
 from __future__ import annotations
@@ -338,6 +343,55 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         "torch_dtype": "bfloat16",
         "use_conv_bias": True,
         "vocab_size": 131072,
+    },
+    "tiiuae/Falcon-H1-7B-Instruct": {
+        # see the module docstring for the fields not checked against the published file
+        "architectures": ["FalconH1ForCausalLM"],
+        "model_type": "falcon_h1",
+        "attention_bias": False,
+        "attention_in_multiplier": 1.0,
+        "attention_out_multiplier": 0.9375,
+        "embedding_multiplier": 5.656854249492381,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 3072,
+        "intermediate_size": 12288,
+        "key_multiplier": 0.39062499999999994,
+        "lm_head_multiplier": 0.0390625,
+        "mamba_chunk_size": 256,
+        "mamba_conv_bias": True,
+        "mamba_d_conv": 4,
+        "mamba_d_head": 128,
+        "mamba_d_ssm": 3072,
+        "mamba_d_state": 256,
+        "mamba_expand": 2,
+        "mamba_n_groups": 1,
+        "mamba_n_heads": 24,
+        "mamba_norm_before_gate": False,
+        "mamba_proj_bias": False,
+        "mamba_rms_norm": False,
+        "mamba_use_mlp": True,
+        "max_position_embeddings": 262144,
+        "mlp_bias": False,
+        "mlp_multipliers": [0.8838834764831844, 0.5859375],
+        "num_attention_heads": 12,
+        "num_hidden_layers": 44,
+        "num_key_value_heads": 2,
+        "projectors_bias": False,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 100000000000.0,
+        "ssm_in_multiplier": 0.25,
+        "ssm_multipliers": [
+            0.3535533905932738,
+            0.25,
+            0.3535533905932738,
+            0.5,
+            0.3535533905932738,
+        ],
+        "ssm_out_multiplier": 0.23570226039551587,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 130049,
     },
     "openai/gpt-oss-20b": {
         "architectures": ["GptOssForCausalLM"],

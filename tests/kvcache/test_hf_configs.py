@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_pd.kvcache.grouping import plan_groups
 from hybrid_pd.kvcache.hf_configs import (
     SUPPORTED_ARCHITECTURES,
     UnsupportedArchitectureError,
@@ -40,7 +41,8 @@ def kinds(spec: ModelCacheSpec) -> Counter:
 
 
 def indices(spec: ModelCacheSpec, cls: type) -> list[int]:
-    return [int(n.rsplit(".", 1)[1]) for n, s in spec.layers.items() if isinstance(s, cls)]
+    """Decoder layer index of each cache layer of class `cls` (``model.layers.{i}[.module]``)."""
+    return [int(n.split(".")[2]) for n, s in spec.layers.items() if isinstance(s, cls)]
 
 
 def only(spec: ModelCacheSpec, cls: type):
@@ -79,6 +81,7 @@ def test_supported_architectures_lists_the_registry() -> None:
         "BambaForCausalLM",
         "JambaForCausalLM",
         "NemotronHForCausalLM",
+        "FalconH1ForCausalLM",
         "GptOssForCausalLM",
         "Llama4ForConditionalGeneration",
         "Llama4ForCausalLM",
@@ -314,6 +317,52 @@ def test_nemotron_mamba_ssm_cache_dtype_is_honoured() -> None:
 # --------------------------------------------------------------------------- Mamba1 hybrid
 
 
+def test_falcon_h1_7b_both_slots_per_layer() -> None:
+    """Falcon-H1 runs attention and Mamba2 side by side in every layer: each layer owns a KV
+    slot (``.self_attn``) and a state slot (``.mamba``), and the grouping puts them in the KV
+    and state groups like any hybrid's layers."""
+    spec = cache_spec_from_config(real("tiiuae/Falcon-H1-7B-Instruct"))
+    assert kinds(spec) == {"StateSpec": 44, "FullAttentionSpec": 44}
+    assert list(spec.layers)[:2] == ["model.layers.0.self_attn", "model.layers.0.mamba"]
+    for i in range(44):
+        assert isinstance(spec.layers[f"model.layers.{i}.self_attn"], FullAttentionSpec)
+        assert isinstance(spec.layers[f"model.layers.{i}.mamba"], StateSpec)
+    assert "model.layers.0" not in spec.layers
+    full = only(spec, FullAttentionSpec)
+    assert (full.num_kv_heads, full.head_dim, full.dtype) == (2, 128, "bfloat16")
+    assert full.bytes_per_token == 2 * 2 * 128 * 2 == 1024
+    mamba = only(spec, StateSpec)
+    # conv_dim = 24 * 128 + 2 * 1 * 256 = 3_584; conv 3_584 * 3 * 2 = 21_504
+    # ssm [24, 128, 256] bf16 = 1_572_864
+    assert mamba.shapes == ((3584, 3), (24, 128, 256))
+    assert mamba.state_bytes == 21_504 + 1_572_864
+    assert spec.max_model_len == 262144
+
+    config = plan_groups(spec, ref_len=4096)
+    by_kind = {}
+    for g in config.groups:
+        by_kind.setdefault(g.kind, []).extend(g.layer_names)
+    assert sorted(by_kind) == ["full", "state"]
+    assert sorted(by_kind["full"]) == sorted(n for n in spec.layers if n.endswith(".self_attn"))
+    assert sorted(by_kind["state"]) == sorted(n for n in spec.layers if n.endswith(".mamba"))
+    for name in spec.layers:  # every cache layer has exactly one group and one slot
+        assert config.group_of(name).spec == spec.layers[name]
+
+
+def test_falcon_h1_mamba_inner_size_and_head_dim() -> None:
+    cfg = real("tiiuae/Falcon-H1-7B-Instruct")
+    cfg["mamba_d_head"] = "auto"  # 3072 / 24 heads
+    assert only(cache_spec_from_config(cfg), StateSpec).shapes[1] == (24, 128, 256)
+    cfg["mamba_d_ssm"] = None  # null: mamba_expand * hidden_size = 6144
+    assert only(cache_spec_from_config(cfg), StateSpec).shapes[1] == (24, 256, 256)
+    cfg["mamba_d_head"] = 128
+    with pytest.raises(ValueError, match="inner size 6144"):
+        cache_spec_from_config(cfg)
+    del cfg["mamba_d_ssm"]  # transformers would default to 1024; published configs set it
+    with pytest.raises(ValueError, match="'mamba_d_ssm'"):
+        cache_spec_from_config(cfg)
+
+
 def test_jamba_v0_1() -> None:
     spec = cache_spec_from_config(real("ai21labs/Jamba-v0.1"))
     # attention where i % 8 == 4
@@ -463,11 +512,11 @@ def test_bad_dtype_is_a_value_error() -> None:
 
 def test_unknown_architecture() -> None:
     with pytest.raises(UnsupportedArchitectureError) as info:
-        cache_spec_from_config({"architectures": ["FalconH1ForCausalLM"]})
+        cache_spec_from_config({"architectures": ["Zamba2ForCausalLM"]})
     message = str(info.value)
-    assert "'FalconH1ForCausalLM'" in message
+    assert "'Zamba2ForCausalLM'" in message
     assert "NemotronHForCausalLM" in message and "Qwen3_5ForConditionalGeneration" in message
-    assert info.value.architecture == "FalconH1ForCausalLM"
+    assert info.value.architecture == "Zamba2ForCausalLM"
     assert isinstance(info.value, ValueError)
 
 

@@ -37,7 +37,7 @@ def run_cli(*argv: str) -> tuple[int, str, float]:
 
 
 def test_unsupported_architecture_is_refused_before_ray(tmp_path):
-    folder = checkpoint(tmp_path / "falcon", {"architectures": ["FalconH1ForCausalLM"]})
+    folder = checkpoint(tmp_path / "zamba2", {"architectures": ["Zamba2ForCausalLM"]})
     for argv in (
         ("serve", "--model", str(folder), "--port", "0"),
         ("generate", "--model", str(folder), "--prompt", "hi"),
@@ -46,7 +46,7 @@ def test_unsupported_architecture_is_refused_before_ray(tmp_path):
         lines = [ln for ln in err.splitlines() if ln.strip()]
         assert rc == 2, err
         assert lines[-1].startswith(f"hybrid-pd {argv[0]}: error: the engine cannot run ")
-        assert "'FalconH1ForCausalLM'" in lines[-1] and "Qwen3_5ForCausalLM" in lines[-1]
+        assert "'Zamba2ForCausalLM'" in lines[-1] and "Qwen3_5ForCausalLM" in lines[-1]
         assert "Ray" not in err and "Traceback" not in err, err
         assert seconds < 20, seconds  # starting Ray and a worker took 15-45 s
 

@@ -1,7 +1,8 @@
 """Plain GQA self-attention over the paged pool, for hybrids whose attention layers have no
-extras (Bamba, Nemotron-H): q/k/v/o projections, optional RoPE on the first `rotary_dim`
-dims of each head (rotate-half layout), softmax scale head_dim^-0.5, causal over every
-earlier token of the request.
+extras (Bamba, Nemotron-H, Falcon-H1): q/k/v/o projections, an optional key multiplier
+(Falcon-H1's muP ``key_multiplier``, applied before RoPE), optional RoPE on the first
+`rotary_dim` dims of each head (rotate-half layout), softmax scale head_dim^-0.5, causal over
+every earlier token of the request.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class PagedSelfAttention(nn.Module):
         *,
         bias: bool = False,
         rotary_dim: int = 0,
+        key_multiplier: float = 1.0,
     ) -> None:
         super().__init__()
         if num_heads % spec.num_kv_heads:
@@ -44,6 +46,7 @@ class PagedSelfAttention(nn.Module):
             spec.head_dim,
         )
         self.rotary_dim = rotary_dim
+        self.key_multiplier = key_multiplier
         self.scale = self.head_dim**-0.5
         q_out, kv_out = num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(hidden, q_out, bias=bias)
@@ -62,6 +65,8 @@ class PagedSelfAttention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.key_multiplier != 1.0:
+            k = k * self.key_multiplier
         if self.rotary_dim:
             cos, sin = cos_sin
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)

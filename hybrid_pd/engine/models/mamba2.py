@@ -199,7 +199,7 @@ class Mamba2Mixer(nn.Module):
         self.act = activation(d.act)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        z, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        z, xbc, dt = self.project(h).split([self.inner, self.conv_dim, self.heads], dim=-1)
         dt = F.softplus((dt + self.dt_bias).float())
         dt = dt.clamp(min=self.dt_limit[0], max=self.dt_limit[1])
         a_coef = -torch.exp(self.A_log.float())
@@ -214,7 +214,15 @@ class Mamba2Mixer(nn.Module):
             for seq in rest:
                 sl = slice(seq.start, seq.end)
                 y[sl] = self._sequence(batch, seq, xbc[sl], dt[sl], a_coef)
-        return self.out_proj(self.norm(y, z).to(h.dtype))
+        return self.out_proj(self.gate_and_norm(y, z).to(h.dtype))
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] -> the packed (z, xBC, dt) projection [T, inner + conv_dim + heads]."""
+        return self.in_proj(h)
+
+    def gate_and_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The SSM output y [T, inner] (float32) gated by z and normalised."""
+        return self.norm(y, z)
 
     def _step_rows(self, batch, rows: StateRows, xbc, dt, a_coef) -> torch.Tensor:
         """One token for each of S sequences (xbc [S, C], dt [S, H]): conv and SSD steps on
