@@ -366,6 +366,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="proxy: times one stream may move to another decode worker (default 3)",
     )
+    p.add_argument(
+        "--kv-routing",
+        choices=("prefix", "load"),
+        help="proxy: prefix (KV-aware: the workers likely to cache a request's longest "
+        "prefix, load permitting) or load (least loaded only); default prefix",
+    )
     _add_log_flags(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -420,6 +426,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "queue_timeout_s",
         "max_fallback_prefills",
         "max_migrations",
+        "kv_routing",
         "log_level",
         "engine",
         "vllm_python",

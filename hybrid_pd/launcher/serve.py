@@ -211,6 +211,7 @@ class Deployment:
             queue_timeout_s=config.queue_timeout_s,
             max_fallback_prefills=config.max_fallback_prefills,
             max_migrations=config.max_migrations,
+            kv_routing=config.kv_routing,
         )
         self.pool = WorkerPool.from_config(proxy_config)
         self.proxy = ProxyHandle(proxy_config, self.pool, drain_s=DRAIN_S).start()

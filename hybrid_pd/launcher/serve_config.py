@@ -100,6 +100,8 @@ class ServeConfig:
     max_fallback_prefills: int = 4
     #: Proxy: how often one stream may move to another decode worker after a failure.
     max_migrations: int = 3
+    #: Proxy: "prefix" (KV-aware routing) or "load"; see ProxyConfig.kv_routing.
+    kv_routing: str = "prefix"
     #: Logging of the launcher, the proxy (its access log included) and the workers:
     #: debug, info, warning or error.
     log_level: str = "info"
@@ -122,6 +124,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_fallback_prefills < 0 or self.max_migrations < 0:
             raise ValueError("max_fallback_prefills and max_migrations must be >= 0")
+        if self.kv_routing not in ("prefix", "load"):
+            raise ValueError(f"kv_routing must be 'prefix' or 'load', got {self.kv_routing!r}")
         if self.queue_timeout_s <= 0:
             raise ValueError("queue_timeout_s must be > 0")
         if self.prefill < 0 or self.decode < 1:

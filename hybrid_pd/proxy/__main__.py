@@ -10,7 +10,7 @@ import sys
 
 from hybrid_pd.api.secret import given_secret
 from hybrid_pd.launcher.console import configure_logging
-from hybrid_pd.proxy.config import ProxyConfig
+from hybrid_pd.proxy.config import KV_ROUTING, ProxyConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,6 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-prefill-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, help="a lower limit than the workers' own")
     p.add_argument(
+        "--kv-routing",
+        choices=KV_ROUTING,
+        default="prefix",
+        help="prefix: a request goes to the workers likely to cache its longest prefix "
+        "(a conversation's next turn where its last ran), load permitting; load: the least "
+        "loaded only (default prefix)",
+    )
+    p.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         help="logging, the access log included (default info)",
@@ -53,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         secret=given_secret(None, args.secret_file),
         min_prefill_tokens=args.min_prefill_tokens,
         max_model_len=args.max_model_len,
+        kv_routing=args.kv_routing,
     )
     run_proxy(config)
     return 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+KV_ROUTING = ("prefix", "load")
+
 
 @dataclass(frozen=True)
 class ProxyConfig:
@@ -50,6 +52,13 @@ class ProxyConfig:
     #: A worker whose health checks fail (other than connection refused, which counts at
     #: once) is treated as dead only after failing for this long: busy is not dead.
     dead_after_s: float = 10.0
+    #: How a request's workers are picked. "prefix" (KV-aware): the prefill and the decode
+    #: worker likely to hold the longest prefix of its tokens in their prefix caches (a
+    #: conversation's next turn goes where its last one ran), unless that worker is busier
+    #: than the least loaded by more than `kv_routing_max_imbalance` requests; ties and
+    #: misses go to the least loaded. "load": the least loaded only.
+    kv_routing: str = "prefix"
+    kv_routing_max_imbalance: int = 4
 
     def __post_init__(self) -> None:
         for name in ("prefill_addresses", "decode_addresses"):
@@ -98,6 +107,11 @@ class ProxyConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if not isinstance(self.stats_interval_ms, int) or self.stats_interval_ms < 0:
             raise ValueError(f"stats_interval_ms must be >= 0, got {self.stats_interval_ms!r}")
+        if self.kv_routing not in KV_ROUTING:
+            raise ValueError(f"kv_routing must be one of {KV_ROUTING}, got {self.kv_routing!r}")
+        value = self.kv_routing_max_imbalance
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"kv_routing_max_imbalance must be an integer >= 0, got {value!r}")
         if self.failure_policy not in ("", "recompute", "fail"):
             raise ValueError("failure_policy must be '', 'recompute' or 'fail'")
 

@@ -152,7 +152,7 @@ class Job:
         backoff = _BACKOFF_S
         attempt = 0
         while True:
-            worker = await asyncio.to_thread(d.pool.pick_prefill, tried)
+            worker = await asyncio.to_thread(d.pool.pick_prefill, tried, self.prompt_ids)
             if worker is None:
                 if not d.pool.live("prefill") and self._take_fallback():
                     d.metrics.failure("prefill_fallback")
@@ -165,6 +165,7 @@ class Job:
                 continue
             call = prepare_prefill_request(self.rid, self.prompt_ids, self.params, attempt)
             attempt += 1
+            d.pool.note_tokens(worker, self.prompt_ids)
             future = worker.client.prefill_future(
                 call.request_id, call.prompt_ids, call.sampling, d.config.prefill_timeout_s
             )
@@ -241,9 +242,12 @@ class Job:
                 output_ids=() if prefill is not None else self.produced,
             )
             attempt += 1
+            d.pool.note_tokens(worker, self.prompt_ids)
             try:
                 async for event in self._decode_leg(worker, call, prefill is not None):
                     yield event
+                # What it computed stays in its prefix cache: the next turn's prefix.
+                d.pool.note_tokens(worker, self.prompt_ids + self.produced)
                 return
             except _Migrate as e:
                 self.migrations += 1
@@ -278,7 +282,7 @@ class Job:
         d = self.d
         backoff = _BACKOFF_S
         while True:
-            worker = await asyncio.to_thread(d.pool.pick_decode)
+            worker = await asyncio.to_thread(d.pool.pick_decode, (), self.prompt_ids)
             if worker is not None:
                 return worker
             if time.monotonic() > deadline:

@@ -2,7 +2,11 @@
 
 Prefill workers are picked by the fewest outstanding prefill tokens (counted by the proxy);
 decode workers by health, KV headroom and load (Stats refreshed at most every
-`stats_interval_ms`, plus the proxy's own count of streams it has open on each).
+`stats_interval_ms`, plus the proxy's own count of streams it has open on each). With
+KV-aware routing (`kv_routing="prefix"`, the default) the longest prefix of the request's
+tokens that a worker was sent before (`PrefixIndex`) comes first among workers within
+`max_imbalance` requests of the least loaded: a conversation's next turn finds its earlier
+turns in that worker's prefix cache (decode then pulls only the new blocks).
 
 Busy is not dead. A worker is dead when a call is refused at the connection (UNAVAILABLE)
 or when its Stats keep failing for `dead_after_s`; a slow answer alone never removes it.
@@ -14,13 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.api.wire import sampling_to_pb
 from hybrid_pd.proto import worker_pb2 as pb
+from hybrid_pd.proxy.prefix_index import PrefixIndex, block_hashes
 from hybrid_pd.proxy.worker_client import PrefillResult, WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -31,6 +36,12 @@ FAILURE_COOLDOWN_S = 2.0
 LOW_BLOCKS_FRACTION = 0.1
 #: A worker whose queue was full is skipped for this long.
 FULL_BACKOFF_S = 0.1
+#: Block size assumed for KV-aware routing until a worker's Stats give its own.
+DEFAULT_BLOCK_SIZE = 16
+
+
+def _block_size(w: WorkerState) -> int:
+    return int((w.stats or {}).get("block_size") or DEFAULT_BLOCK_SIZE)
 
 
 @dataclass(frozen=True)
@@ -151,8 +162,14 @@ class WorkerPool:
         stats_interval_ms: int = 500,
         control_timeout_s: float = 2.0,
         dead_after_s: float = 10.0,
+        kv_routing: str = "prefix",
+        max_imbalance: int = 4,
     ) -> None:
         self._lock = threading.Lock()
+        #: KV-aware routing ("prefix"): what each worker was sent (see PrefixIndex).
+        self.kv_routing = kv_routing
+        self.max_imbalance = max_imbalance
+        self.prefixes = PrefixIndex()
         self.dead_after_s = dead_after_s
         self.stats_interval_s = stats_interval_ms / 1000.0
         self.control_timeout_s = control_timeout_s
@@ -180,6 +197,8 @@ class WorkerPool:
             stats_interval_ms=config.stats_interval_ms,
             control_timeout_s=config.control_timeout_s,
             dead_after_s=config.dead_after_s,
+            kv_routing=config.kv_routing,
+            max_imbalance=config.kv_routing_max_imbalance,
         )
 
     def close(self) -> None:
@@ -204,6 +223,7 @@ class WorkerPool:
             for address in list(self.workers):
                 if address not in wanted:
                     gone = self.workers.pop(address)
+                    self.prefixes.forget(address)
                     if gone.client in self._owned:
                         self._owned.remove(gone.client)
                         gone.client.close()
@@ -218,9 +238,12 @@ class WorkerPool:
         return [w for w in self.workers.values() if role in w.roles]
 
     # -- picking ----------------------------------------------------------------------------
-    def pick_prefill(self, exclude: Iterable[WorkerState] = ()) -> WorkerState | None:
-        """Blocking (may refresh Stats): fewest outstanding prefill tokens; workers that
-        just failed are skipped."""
+    def pick_prefill(
+        self, exclude: Iterable[WorkerState] = (), tokens: Sequence[int] = ()
+    ) -> WorkerState | None:
+        """Blocking (may refresh Stats): fewest outstanding prefill tokens, or (KV-aware
+        routing, `tokens` given) the worker likely to hold their longest prefix; workers
+        that just failed are skipped."""
         self.refresh("prefill")
         now = time.monotonic()
         skip = set(map(id, exclude))
@@ -235,13 +258,43 @@ class WorkerPool:
             ]
             if not ready:
                 return None
-            return min(
-                ready,
-                key=lambda w: (w.outstanding_prefill_tokens, w.outstanding_prefills, w.address),
+            ready.sort(
+                key=lambda w: (w.outstanding_prefill_tokens, w.outstanding_prefills, w.address)
             )
+            return self._by_prefix(ready, tokens, lambda w: w.outstanding_prefills)
 
-    def pick_decode(self, exclude: Iterable[WorkerState] = ()) -> WorkerState | None:
-        """Blocking (may refresh Stats): the best healthy decode worker, or None."""
+    def _by_prefix(self, ranked: list[WorkerState], tokens: Sequence[int], load) -> WorkerState:
+        """KV-aware choice among `ranked` (best by load first): the longest recorded prefix
+        of `tokens` among workers within `max_imbalance` of the least loaded's `load`; the
+        first of `ranked` when routing is by load, or nothing matches."""
+        if self.kv_routing != "prefix" or not tokens or len(ranked) < 1:
+            return ranked[0]
+        least = min(load(w) for w in ranked)
+        best, best_match = ranked[0], 0
+        hashes: dict[int, list[bytes]] = {}
+        for w in ranked:
+            if load(w) > least + self.max_imbalance:
+                continue
+            bs = _block_size(w)
+            if bs not in hashes:
+                hashes[bs] = block_hashes(tokens, bs)
+            n = self.prefixes.match(w.address, hashes[bs]) * bs
+            if n > best_match:
+                best, best_match = w, n
+        return best
+
+    def note_tokens(self, w: WorkerState, tokens: Sequence[int]) -> None:
+        """`w` was sent (and will cache) `tokens`: KV-aware routing sends their followers
+        there."""
+        if self.kv_routing == "prefix":
+            self.prefixes.record(w.address, block_hashes(tokens, _block_size(w)))
+
+    def pick_decode(
+        self, exclude: Iterable[WorkerState] = (), tokens: Sequence[int] = ()
+    ) -> WorkerState | None:
+        """Blocking (may refresh Stats): the best healthy decode worker, or None. With
+        KV-aware routing and `tokens`, the healthy one not short of blocks that likely holds
+        their longest prefix (see `_by_prefix`)."""
         self.refresh("decode")
         now = time.monotonic()
         skip = set(map(id, exclude))
@@ -251,8 +304,13 @@ class WorkerPool:
             ]
             if not ready:
                 return None
-            best = min(ready, key=lambda w: w.decode_key(now))
-            return None if best.decode_key(now)[0] else best
+            keys = {id(w): w.decode_key(now) for w in ready}
+            ready.sort(key=lambda w: keys[id(w)])
+            if keys[id(ready[0])][0]:
+                return None
+            # Only among the healthy with blocks to spare: (unhealthy, low) as the best's.
+            fine = [w for w in ready if keys[id(w)][:2] == keys[id(ready[0])][:2]]
+            return self._by_prefix(fine, tokens, lambda w: keys[id(w)][2])
 
     # -- bookkeeping ------------------------------------------------------------------------
     def begin_prefill(self, w: WorkerState, num_tokens: int) -> None:

@@ -44,6 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--ucx-tls", default=None, help="UCX transports, e.g. tcp,self")
     p.add_argument(
+        "--no-prefix-reuse-on-load",
+        dest="reuse_prefix_on_load",
+        action="store_false",
+        help="decode role: pull a handed-over prompt's every block, even those this worker's "
+        "prefix cache holds (default: pull only what it lacks)",
+    )
+    p.add_argument(
         "--peer",
         action="append",
         default=[],
@@ -95,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_memory_bytes=parse_bytes(args.kv_memory),
             block_size=args.block_size,
             max_num_seqs=args.max_num_seqs,
+            reuse_prefix_on_load=args.reuse_prefix_on_load,
         ),
         secret=secret,
         lease_s=args.lease_s,
