@@ -2,7 +2,11 @@
 when the response has ended (for a stream: when the stream ends).
 
     POST /v1/completions status=200 id=cmpl-3f9c... route=disaggregated prompt_tokens=15
-    output_tokens=12 ttft_ms=84.2 total_ms=411.9 client=127.0.0.1
+    output_tokens=12 ttft_ms=84.2 total_ms=411.9 prefill=10.0.0.5:50051
+    decode=10.0.0.6:50051 client=127.0.0.1
+
+`prefill` / `decode`: the workers that served it (the last of each after a retry or a
+migration; several choices: each distinct one, comma-separated).
 
 `AccessLog` is pure ASGI middleware (streams pass through untouched). A request that runs on
 the workers gets its id, route and token counts from its dispatch `Job`, which `attach`
@@ -38,7 +42,8 @@ _current: ContextVar[_Record | None] = ContextVar("hybrid_pd_access_record", def
 
 def attach(job) -> None:
     """The request being served in this context runs `job` (a dispatch Job: its `rid`,
-    `route`, `prompt_ids`, `produced`, `arrival` and `first_token_at` are logged)."""
+    `route`, `prompt_ids`, `produced`, `arrival`, `first_token_at`, `prefill_worker` and
+    `decode_worker` are logged)."""
     record = _current.get()
     if record is not None:
         record.jobs.append(job)
@@ -54,8 +59,10 @@ def format_line(
     """The access-log line of one request (see the module's docstring). `job` is a Job or
     the list of a request's Jobs (n choices: `<id>-<i>` each; output tokens summed)."""
     jobs = job if isinstance(job, list) else [job] if job is not None else []
-    rid = route = prompt = output = ttft = "-"
+    rid = route = prompt = output = ttft = prefill = decode = "-"
     if jobs:
+        prefill = _workers(jobs, "prefill_worker")
+        decode = _workers(jobs, "decode_worker")
         first = jobs[0]
         rid = first.rid.rpartition("-")[0] if len(jobs) > 1 else first.rid
         route = ",".join(sorted({j.route for j in jobs if j.route})) or "-"
@@ -65,8 +72,14 @@ def format_line(
             ttft = _ms(min(starts) - first.arrival)
     return (
         f"{method} {path} status={status} id={rid} route={route} prompt_tokens={prompt} "
-        f"output_tokens={output} ttft_ms={ttft} total_ms={_ms(total_s)} client={client}"
+        f"output_tokens={output} ttft_ms={ttft} total_ms={_ms(total_s)} prefill={prefill} "
+        f"decode={decode} client={client}"
     )
+
+
+def _workers(jobs: list, attr: str) -> str:
+    names = dict.fromkeys(getattr(j, attr, "") for j in jobs)
+    return ",".join(n for n in names if n) or "-"
 
 
 class AccessLog:

@@ -107,6 +107,9 @@ class Job:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.first_token_at: float | None = None
         self._last_token_at: float | None = None
+        #: Addresses of the workers that served it (the last one of each kind), for the log.
+        self.prefill_worker = ""
+        self.decode_worker = ""
         access_log.attach(self)
 
     # -- the stream -------------------------------------------------------------------------
@@ -166,6 +169,7 @@ class Job:
             call = prepare_prefill_request(self.rid, self.prompt_ids, self.params, attempt)
             attempt += 1
             d.pool.note_tokens(worker, self.prompt_ids)
+            self.prefill_worker = worker.address
             future = worker.client.prefill_future(
                 call.request_id, call.prompt_ids, call.sampling, d.config.prefill_timeout_s
             )
@@ -243,6 +247,7 @@ class Job:
             )
             attempt += 1
             d.pool.note_tokens(worker, self.prompt_ids)
+            self.decode_worker = worker.address
             try:
                 async for event in self._decode_leg(worker, call, prefill is not None):
                     yield event

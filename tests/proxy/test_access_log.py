@@ -58,6 +58,7 @@ def test_completion_and_stream_lines_carry_the_requests_values(access, http, tin
     assert int(line["output_tokens"]) == 5
     assert 0 < float(line["ttft_ms"]) <= float(line["total_ms"])
     assert line["client"] == "127.0.0.1"
+    assert line["prefill"] == "-" and line["decode"].startswith("127.0.0.1:")
 
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as s:
@@ -107,5 +108,10 @@ def test_format_line_without_a_first_token():
     line = format_line("POST", "/v1/completions", 429, 0.25, Job())
     assert line == (
         "POST /v1/completions status=429 id=cmpl-1 route=- prompt_tokens=2 output_tokens=0 "
-        "ttft_ms=- total_ms=250.0 client=-"
+        "ttft_ms=- total_ms=250.0 prefill=- decode=- client=-"
     )
+    job, other = Job(), Job()
+    job.prefill_worker, job.decode_worker = "p:1", "d:1"
+    other.prefill_worker, other.decode_worker = "p:1", "d:2"
+    line = format_line("POST", "/v1/completions", 200, 0.25, [job, other])
+    assert line.endswith(" prefill=p:1 decode=d:1,d:2 client=-")

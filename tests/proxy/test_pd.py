@@ -174,3 +174,101 @@ def test_logprobs_echo_and_n_are_exact_over_pd(pd_proxy, workers, reference):
         )
         assert all(len(e["top_logprobs"]) == 3 for e in got["content"])
     assert_no_leaks(workers)
+
+
+@pytest.fixture(scope="module")
+def conversation_workers(tiny_path, cache_dir):
+    """One prefill and two decode worker processes (fresh caches)."""
+    from hybrid_pd.launcher.local import start_worker
+
+    args = ["--model", str(tiny_path), "--kv-memory", "16MiB", "--threads", "1"]
+    env = {"HYBRID_PD_CACHE": str(cache_dir)}
+    procs = []
+    try:
+        for role in ("prefill", "decode", "decode"):
+            procs.append(start_worker(role, *args, env=env, timeout=60))
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.mark.parametrize("kv_routing", ["prefix", "load"])
+def test_a_follow_up_turn_goes_where_its_prefix_is_and_pulls_only_new_blocks(
+    conversation_workers, reference, tiny_path, caplog, kv_routing
+):
+    """Turn 1 of a chat runs on decode worker F (both idle: the first by address). A long
+    stream then busies F. Turn 2 (turn 1's prompt and answer, then new tokens): KV-aware
+    routing still sends it to F, whose prefix cache holds turn 1, so decode pulls only the
+    new blocks; routing by load sends it to the idle worker, which pulls them all. Either
+    way the answers equal one engine's."""
+    import concurrent.futures
+    import logging
+
+    from hybrid_pd.proxy.worker_client import WorkerClient
+    from tests.proxy.test_access_log import ACCESS, wait_for
+
+    caplog.set_level(logging.INFO, logger=ACCESS)
+    procs = conversation_workers
+    handle = make_proxy(
+        tiny_path,
+        prefill_addresses=(procs[0].address,),
+        decode_addresses=(procs[1].address, procs[2].address),
+        kv_routing=kv_routing,
+    )
+    seed = 0 if kv_routing == "prefix" else 1
+    turn1 = [(37 * i + 11 + seed) % 250 + 3 for i in range(60)]
+    busy = [(13 * i + 7 + seed) % 250 + 3 for i in range(40)]
+    greedy = {"model": "tiny", "temperature": 0, "return_token_ids": True}
+
+    def complete(c, prompt, max_tokens=8):
+        r = c.post("/v1/completions", json={**greedy, "prompt": prompt, "max_tokens": max_tokens})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        line = wait_for(caplog, lambda a: a["id"] == body["id"])  # written once it ended
+        return body["choices"][0]["token_ids"], line["decode"]
+
+    def held(address):
+        w = WorkerClient(address, timeout_s=10)
+        try:
+            return w.stats()["decode_connector"]["held_blocks"]
+        finally:
+            w.close()
+
+    try:
+        with httpx.Client(base_url=handle.url, timeout=60) as c:
+            answer, first = complete(c, turn1)
+            want = reference.generate([turn1], SamplingParams(max_tokens=8))[0].token_ids
+            assert answer == want and first == min(procs[1].address, procs[2].address)
+            other = ({procs[1].address, procs[2].address} - {first}).pop()
+            turn2 = turn1 + answer + [(5 * i + 1 + seed) % 250 + 3 for i in range(40)]
+            want2 = reference.generate([turn2], SamplingParams(max_tokens=8))[0].token_ids
+            with (
+                concurrent.futures.ThreadPoolExecutor(1) as ex,
+                c.stream(
+                    "POST",
+                    "/v1/completions",
+                    json={**greedy, "prompt": busy, "max_tokens": 400, "stream": True},
+                ) as s,
+            ):
+                lines = s.iter_lines()
+                seen = 0
+                for ln in lines:  # past the prefill's first token: decoding on F now
+                    seen += ln.startswith("data: {")
+                    if seen >= 3:
+                        break
+                before = {a: held(a) for a in (first, other)}
+                answer2, where = ex.submit(complete, c, turn2).result(60)
+                for _ in lines:  # let the long stream end on its own
+                    pass
+            assert answer2 == want2
+            after = {a: held(a) for a in (first, other)}
+            if kv_routing == "prefix":
+                assert where == first
+                assert after[first] > before[first]
+            else:
+                assert where == other and after[other] == before[other]
+    finally:
+        handle.stop()
+        handle.pool.close()
+    assert_no_leaks(procs)
