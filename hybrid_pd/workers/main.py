@@ -68,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="engine processes sharing this host's CPUs (sets the default --threads)",
     )
+    p.add_argument(
+        "--no-prefix-reuse-on-load",
+        dest="prefix_reuse_on_load",
+        action="store_false",
+        help="decode role: pull a handed-over prompt's whole KV, even the blocks this "
+        "worker's prefix cache holds (default: take those and pull only the rest)",
+    )
     p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes")
     return p.parse_args(argv)
 
@@ -95,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_memory_bytes=parse_bytes(args.kv_memory),
             block_size=args.block_size,
             max_num_seqs=args.max_num_seqs,
+            reuse_prefix_on_load=args.prefix_reuse_on_load,
         ),
         secret=secret,
         lease_s=args.lease_s,
