@@ -30,6 +30,14 @@ def test_round_stats_and_routing():
     assert _routing([[None, None], [None, None]])["same_decode_worker_fraction"] is None
 
 
+def test_worker_flag_turns_reuse_off():
+    from hybrid_pd.workers.main import parse_args
+
+    assert parse_args(["--role", "decode"]).prefix_reuse_on_load is True
+    args = parse_args(["--role", "decode", "--no-prefix-reuse-on-load"])
+    assert args.prefix_reuse_on_load is False
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_multiturn_reuse_pulls_less(tmp_path, monkeypatch):
