@@ -12,9 +12,9 @@ proxy routes to the least loaded decode worker)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
+import logging
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -63,17 +63,12 @@ def add_multiturn_parser(bsub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=_cmd_bench_multiturn)
 
 
-def proxy_has_kv_routing() -> bool:
-    from hybrid_pd.proxy.config import ProxyConfig
-
-    return "kv_routing" in {f.name for f in dataclasses.fields(ProxyConfig)}
-
-
 def _chat_turn(client, body: dict) -> dict:
     """One streaming completion: TTFT and the output token ids, or an error."""
     t0 = time.perf_counter()
     ttft = None
     ids: list[int] = []
+    rid = None
     try:
         with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -88,6 +83,7 @@ def _chat_turn(client, body: dict) -> dict:
                 obj = json.loads(data)
                 if "error" in obj:
                     return {"error": str(obj["error"])[:200]}
+                rid = rid or obj.get("id")
                 for c in obj.get("choices") or ():
                     new = c.get("token_ids") or ()
                     if new and ttft is None:
@@ -97,7 +93,26 @@ def _chat_turn(client, body: dict) -> dict:
         return {"error": f"{type(e).__name__}: {e}"[:200]}
     if ttft is None:
         return {"error": "no tokens"}
-    return {"ttft": ttft, "ids": ids}
+    return {"ttft": ttft, "ids": ids, "id": rid}
+
+
+class _AccessWatch(logging.Handler):
+    """The proxy's access log (same process): which decode worker served each request id."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.decode: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        pairs = dict(p.split("=", 1) for p in record.getMessage().split(" ") if "=" in p)
+        if "id" in pairs and "decode" in pairs:
+            self.decode[pairs["id"]] = pairs["decode"]
+
+    def wait(self, ids: list[str], timeout: float = 5.0) -> None:
+        """The lines are written when a response has ended, just after the client saw it."""
+        deadline = time.monotonic() + timeout
+        while any(i not in self.decode for i in ids) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
 
 def _decode_counters(clients: list) -> list[dict]:
@@ -181,10 +196,9 @@ def _run_setup(
     workers = _start(specs, env)
     prefill, decode = workers[:prefill_workers], workers[prefill_workers:]
     clients = [WorkerClient(w.address, timeout_s=10) for w in decode]
-    proxy = None
+    proxy = watch = None
     conversations, turns = len(users), len(users[0]) if users else 0
     try:
-        extra = {"kv_routing": policy} if proxy_has_kv_routing() else {}
         config = ProxyConfig(
             served_model_names=(model_name,),
             model_path=str(path),
@@ -192,9 +206,15 @@ def _run_setup(
             prefill_addresses=tuple(w.address for w in prefill),
             decode_addresses=tuple(w.address for w in decode),
             min_prefill_tokens=1,  # every turn is handed over from a prefill worker
-            **extra,
+            kv_routing=policy,
         )
         proxy = ProxyHandle(config, port=0).start()
+        addresses = [w.address for w in decode]
+        access = logging.getLogger("hybrid_pd.access")
+        watch = _AccessWatch()
+        access.addHandler(watch)
+        level = access.level
+        access.setLevel(logging.INFO)
         timeout = httpx.Timeout(600.0, connect=10.0)
         limits = httpx.Limits(max_connections=max(conversations, len(warm)) + 2)
         with (
@@ -245,11 +265,9 @@ def _run_setup(
                         served[c].append(None)
                         continue
                     history[c] = prompts[c] + out["ids"]
-                    # Which decode worker served it: exposed by neither the proxy's responses
-                    # nor its metrics; one chat alone in its round is the one load seen.
-                    loads = [a["loads"] - b["loads"] for a, b in zip(after, before, strict=True)]
-                    one = len(live) == 1 and sum(loads) == 1
-                    served[c].append(loads.index(1) if one else None)
+                    watch.wait([out["id"]])
+                    where = watch.decode.get(out["id"])
+                    served[c].append(addresses.index(where) if where in addresses else None)
                 ttfts = [r["ttft"] for r in results.values() if "error" not in r]
                 rows.append(
                     {
@@ -272,7 +290,6 @@ def _run_setup(
         proxy = None
         return {
             "kv_routing": policy,
-            "kv_routing_applied": bool(extra),
             "prefix_reuse_on_load": reuse,
             "decode_layout": layout,
             "turns": rows,
@@ -281,6 +298,9 @@ def _run_setup(
             "used_s": round(used, 3),
         }
     finally:
+        if watch is not None:
+            access.removeHandler(watch)
+            access.setLevel(level)
         for c in clients:
             c.close()
         if proxy is not None:
@@ -298,15 +318,13 @@ def _routing(served: list[list[int | None]]) -> dict:
         if prev is not None and cur is not None
     ]
     if not pairs:
-        return {
-            "same_decode_worker_fraction": None,
-            "note": "the proxy does not expose which decode worker served a request; "
-            "inferred from the workers' load counters only with --conversations 1",
-        }
+        return {"same_decode_worker_fraction": None, "decode_worker_by_turn": served}
     same = sum(prev == cur for prev, cur in pairs)
     return {
         "same_decode_worker_fraction": round(same / len(pairs), 4),
-        "decode_worker_by_turn": served[0] if len(served) == 1 else None,
+        # per chat, the index (in the setup's decode workers) of the worker of each turn,
+        # read from the proxy's access log
+        "decode_worker_by_turn": served,
     }
 
 
@@ -365,7 +383,6 @@ def bench_multiturn(
             "threads": threads,
             "max_seconds": max_seconds,
             "setups": list(setups),
-            "proxy_has_kv_routing": proxy_has_kv_routing(),
         },
         "setups": {},
     }
@@ -408,10 +425,9 @@ def _table(result: dict) -> str:
     }
     lines = []
     for setup, s in result["setups"].items():
-        applied = "" if s["kv_routing_applied"] else ", not in this proxy: least loaded"
         lines.append(
             f"{setup} (prefix reuse {'on' if s['prefix_reuse_on_load'] else 'off'}, "
-            f"kv_routing {s['kv_routing']}{applied}):"
+            f"kv_routing {s['kv_routing']}):"
         )
         lines.append(" ".join(f"{c:>12}" for c in cols.values()))
         for r in s["turns"]:
@@ -420,8 +436,7 @@ def _table(result: dict) -> str:
             lines.append(" ".join(f"{'-' if row[c] is None else row[c]:>12}" for c in cols))
         frac = s["routing"]["same_decode_worker_fraction"]
         lines.append(
-            "same decode worker as the previous turn: "
-            + ("unknown (not exposed by the proxy)" if frac is None else f"{frac:.2f}")
+            "same decode worker as the previous turn: " + ("-" if frac is None else f"{frac:.2f}")
         )
         leaks = [w for w in s["workers"] if not w["clean"]]
         lines.append("workers clean" if not leaks else f"LEAKS: {leaks}")

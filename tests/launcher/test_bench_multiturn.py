@@ -33,9 +33,9 @@ def test_round_stats_and_routing():
 def test_worker_flag_turns_reuse_off():
     from hybrid_pd.workers.main import parse_args
 
-    assert parse_args(["--role", "decode"]).prefix_reuse_on_load is True
+    assert parse_args(["--role", "decode"]).reuse_prefix_on_load is True
     args = parse_args(["--role", "decode", "--no-prefix-reuse-on-load"])
-    assert args.prefix_reuse_on_load is False
+    assert args.reuse_prefix_on_load is False
 
 
 @pytest.mark.slow
@@ -71,6 +71,9 @@ def test_bench_multiturn_reuse_pulls_less(tmp_path, monkeypatch):
             assert 0 < r["ttft_ms_median"] <= r["ttft_ms_p90"], (setup, r)
             assert r["bytes_pulled"] > 0, (setup, r)
         assert [w["role"] for w in s["workers"]] == ["prefill", "decode"]
+        # read from the proxy's access log: one decode worker served every turn
+        assert s["routing"]["same_decode_worker_fraction"] == 1.0
+        assert s["routing"]["decode_worker_by_turn"] == [[0] * TURNS] * CONVERSATIONS
         for w in s["workers"]:
             assert w["clean"] and w["leaked_blocks"] == 0 and w["leases"] == 0, (setup, w)
     reuse, plain = result["setups"]["reuse"], result["setups"]["no-reuse"]
