@@ -213,8 +213,9 @@ def _run_setup(
         access = logging.getLogger("hybrid_pd.access")
         watch = _AccessWatch()
         access.addHandler(watch)
-        level = access.level
+        level, propagate = access.level, access.propagate
         access.setLevel(logging.INFO)
+        access.propagate = False  # read here, not printed: the bench's output is its table
         timeout = httpx.Timeout(600.0, connect=10.0)
         limits = httpx.Limits(max_connections=max(conversations, len(warm)) + 2)
         with (
@@ -301,6 +302,7 @@ def _run_setup(
         if watch is not None:
             access.removeHandler(watch)
             access.setLevel(level)
+            access.propagate = propagate
         for c in clients:
             c.close()
         if proxy is not None:

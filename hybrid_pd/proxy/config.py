@@ -52,13 +52,16 @@ class ProxyConfig:
     #: A worker whose health checks fail (other than connection refused, which counts at
     #: once) is treated as dead only after failing for this long: busy is not dead.
     dead_after_s: float = 10.0
-    #: How a request's workers are picked. "prefix" (KV-aware): the prefill and the decode
-    #: worker likely to hold the longest prefix of its tokens in their prefix caches (a
-    #: conversation's next turn goes where its last one ran), unless that worker is busier
-    #: than the least loaded by more than `kv_routing_max_imbalance` requests; ties and
-    #: misses go to the least loaded. "load": the least loaded only.
+    #: How a request's workers are picked. "prefix" (KV-aware): by a cost in tokens, those
+    #: of the request the worker was never sent (its prefix cache lacks them) plus its load
+    #: (prefill: prompt tokens queued on it; decode: `kv_routing_load_weight` times the
+    #: request's tokens per stream it runs), among workers at most
+    #: `kv_routing_max_imbalance` requests busier than the least loaded: a conversation's
+    #: next turn goes where its last one ran unless that worker is clearly busier. "load":
+    #: the least loaded only.
     kv_routing: str = "prefix"
     kv_routing_max_imbalance: int = 4
+    kv_routing_load_weight: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("prefill_addresses", "decode_addresses"):
@@ -112,6 +115,9 @@ class ProxyConfig:
         value = self.kv_routing_max_imbalance
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"kv_routing_max_imbalance must be an integer >= 0, got {value!r}")
+        weight = self.kv_routing_load_weight
+        if not isinstance(weight, int | float) or isinstance(weight, bool) or weight < 0:
+            raise ValueError(f"kv_routing_load_weight must be a number >= 0, got {weight!r}")
         if self.failure_policy not in ("", "recompute", "fail"):
             raise ValueError("failure_policy must be '', 'recompute' or 'fail'")
 

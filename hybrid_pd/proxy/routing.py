@@ -3,10 +3,13 @@
 Prefill workers are picked by the fewest outstanding prefill tokens (counted by the proxy);
 decode workers by health, KV headroom and load (Stats refreshed at most every
 `stats_interval_ms`, plus the proxy's own count of streams it has open on each). With
-KV-aware routing (`kv_routing="prefix"`, the default) the longest prefix of the request's
-tokens that a worker was sent before (`PrefixIndex`) comes first among workers within
-`max_imbalance` requests of the least loaded: a conversation's next turn finds its earlier
-turns in that worker's prefix cache (decode then pulls only the new blocks).
+KV-aware routing (`kv_routing="prefix"`, the default) each worker within `max_imbalance`
+requests of the least loaded gets a cost in tokens: those of the request it was never sent
+(`PrefixIndex`: it must compute or pull them) plus its load (prefill: the prompt tokens
+queued on it; decode: `load_weight` times the request's tokens per stream it runs); the
+cheapest wins. A conversation's next turn so returns to the worker holding its earlier
+turns unless that one is clearly busier, and new conversations sharing a system prompt
+still spread.
 
 Busy is not dead. A worker is dead when a call is refused at the connection (UNAVAILABLE)
 or when its Stats keep failing for `dead_after_s`; a slow answer alone never removes it.
@@ -164,11 +167,13 @@ class WorkerPool:
         dead_after_s: float = 10.0,
         kv_routing: str = "prefix",
         max_imbalance: int = 4,
+        load_weight: float = 0.5,
     ) -> None:
         self._lock = threading.Lock()
         #: KV-aware routing ("prefix"): what each worker was sent (see PrefixIndex).
         self.kv_routing = kv_routing
         self.max_imbalance = max_imbalance
+        self.load_weight = load_weight
         self.prefixes = PrefixIndex()
         self.dead_after_s = dead_after_s
         self.stats_interval_s = stats_interval_ms / 1000.0
@@ -199,6 +204,7 @@ class WorkerPool:
             dead_after_s=config.dead_after_s,
             kv_routing=config.kv_routing,
             max_imbalance=config.kv_routing_max_imbalance,
+            load_weight=config.kv_routing_load_weight,
         )
 
     def close(self) -> None:
@@ -261,16 +267,25 @@ class WorkerPool:
             ready.sort(
                 key=lambda w: (w.outstanding_prefill_tokens, w.outstanding_prefills, w.address)
             )
-            return self._by_prefix(ready, tokens, lambda w: w.outstanding_prefills)
+            # Prefill: the tokens queued ahead of it are its wait; the ones it lacks, its work.
+            return self._by_prefix(
+                ready,
+                tokens,
+                lambda w: w.outstanding_prefills,
+                lambda w: w.outstanding_prefill_tokens,
+            )
 
-    def _by_prefix(self, ranked: list[WorkerState], tokens: Sequence[int], load) -> WorkerState:
-        """KV-aware choice among `ranked` (best by load first): the longest recorded prefix
-        of `tokens` among workers within `max_imbalance` of the least loaded's `load`; the
-        first of `ranked` when routing is by load, or nothing matches."""
-        if self.kv_routing != "prefix" or not tokens or len(ranked) < 1:
+    def _by_prefix(
+        self, ranked: list[WorkerState], tokens: Sequence[int], load, cost
+    ) -> WorkerState:
+        """KV-aware choice among `ranked` (best by load first). A worker's cost is the tokens
+        of `tokens` it lacks (no recorded prefix) plus `cost(w)`, its load in tokens; the
+        cheapest within `max_imbalance` of the least `load` wins, ties in `ranked`'s order.
+        Routing by load (or no tokens): the first of `ranked`."""
+        if self.kv_routing != "prefix" or not tokens:
             return ranked[0]
         least = min(load(w) for w in ranked)
-        best, best_match = ranked[0], 0
+        best, best_cost = ranked[0], None
         hashes: dict[int, list[bytes]] = {}
         for w in ranked:
             if load(w) > least + self.max_imbalance:
@@ -278,9 +293,10 @@ class WorkerPool:
             bs = _block_size(w)
             if bs not in hashes:
                 hashes[bs] = block_hashes(tokens, bs)
-            n = self.prefixes.match(w.address, hashes[bs]) * bs
-            if n > best_match:
-                best, best_match = w, n
+            missing = len(tokens) - self.prefixes.match(w.address, hashes[bs]) * bs
+            c = missing + cost(w)
+            if best_cost is None or c < best_cost:
+                best, best_cost = w, c
         return best
 
     def note_tokens(self, w: WorkerState, tokens: Sequence[int]) -> None:
@@ -310,7 +326,12 @@ class WorkerPool:
                 return None
             # Only among the healthy with blocks to spare: (unhealthy, low) as the best's.
             fine = [w for w in ready if keys[id(w)][:2] == keys[id(ready[0])][:2]]
-            return self._by_prefix(fine, tokens, lambda w: keys[id(w)][2])
+            # Decode: each stream it runs costs `load_weight` of this prompt's tokens (a turn
+            # moves away from its history only past that), the blocks it lacks are pulled.
+            per_stream = self.load_weight * len(tokens)
+            return self._by_prefix(
+                fine, tokens, lambda w: keys[id(w)][2], lambda w: per_stream * keys[id(w)][2]
+            )
 
     # -- bookkeeping ------------------------------------------------------------------------
     def begin_prefill(self, w: WorkerState, num_tokens: int) -> None:

@@ -48,24 +48,50 @@ def _decode_pool(kv_routing="prefix", max_imbalance=2):
 
 
 def test_follow_up_goes_where_its_prefix_went_load_permitting():
+    """Decode cost in tokens: those never sent to the worker + 0.5 x the request's tokens per
+    stream it runs (block size 4)."""
     pool, w = _decode_pool()
     pool.refresh(force=True)  # as a pick does: the workers' block size is known
     turn1 = list(range(100, 141))
     assert pool.pick_decode((), turn1) is w["a:1"]  # nothing known: least loaded, by name
-    pool.note_tokens(w["b:1"], [*turn1, 7, 8, 9])
-    turn2 = [*turn1, 7, 8, 9, 50, 51, 52, 53, 54]
-    assert pool.pick_decode((), turn2) is w["b:1"]
+    pool.note_tokens(w["b:1"], [*turn1, 7, 8, 9])  # 44 tokens: 11 blocks
+    turn2 = [*turn1, 7, 8, 9, 50, 51, 52, 53, 54, 55, 56, 57]  # 52 tokens
+    assert pool.pick_decode((), turn2) is w["b:1"]  # costs a 52, b 8
     assert pool.pick_decode((), list(range(300, 340))) is w["a:1"]  # a stranger: by load
     pool.begin_decode(w["b:1"])
+    assert pool.pick_decode((), turn2) is w["b:1"]  # b 8 + 26 = 34 < a 52
     pool.begin_decode(w["b:1"])
-    assert pool.pick_decode((), turn2) is w["b:1"]  # 2 more than the least: still within
-    pool.begin_decode(w["b:1"])
-    assert pool.pick_decode((), turn2) is w["a:1"]  # 3 more: load wins
-    pool.note_tokens(w["c:1"], turn2[:12])  # a shorter match elsewhere
+    assert pool.pick_decode((), turn2) is w["a:1"]  # b 8 + 52 = 60 > a 52: load wins
+    pool.note_tokens(w["c:1"], turn2[:12])  # a shorter match elsewhere: c 40
     assert pool.pick_decode((), turn2) is w["c:1"]
     assert pool.pick_decode([w["c:1"]], turn2) is w["a:1"]
     pool.sync([], ["a:1", "b:1"])  # c left the pool: what it held is forgotten
     assert pool.prefixes.size("c:1") == 0
+
+
+def test_new_chats_sharing_a_system_prompt_spread():
+    """Four new conversations with one long system prompt, arriving together: the first
+    records the prompt on its worker, yet they do not all pile onto it."""
+    pool, _ = _decode_pool()
+    pool.refresh(force=True)
+    system = list(range(200))
+    picked = []
+    for chat in range(4):
+        tokens = [*system, *range(1000 + 10 * chat, 1008 + 10 * chat)]
+        choice = pool.pick_decode((), tokens)
+        pool.note_tokens(choice, tokens)
+        pool.begin_decode(choice)
+        picked.append(choice.address)
+    assert len(set(picked)) >= 2 and max(picked.count(a) for a in picked) <= 2
+
+
+def test_max_imbalance_caps_the_preference():
+    pool, w = _decode_pool(max_imbalance=0)
+    pool.refresh(force=True)
+    tokens = list(range(80))
+    pool.note_tokens(w["b:1"], tokens)
+    pool.begin_decode(w["b:1"])  # b 0 + 40 = 40 < a 80, but 1 request above a: capped
+    assert pool.pick_decode((), tokens) is w["a:1"]
 
 
 def test_load_routing_ignores_prefixes():
@@ -85,9 +111,10 @@ def test_prefill_follows_prefix_within_imbalance():
     pool.refresh(force=True)  # as a pick does: the workers' block size is known
     pool.note_tokens(wb, prompt)
     assert pool.pick_prefill((), [*prompt, 1, 2, 3, 4]) is wb
-    pool.begin_prefill(wb, 10)
-    pool.begin_prefill(wb, 10)
-    assert pool.pick_prefill((), [*prompt, 1, 2, 3, 4]) is wa  # 2 prefills more than a
+    pool.begin_prefill(wb, 30)  # b: 6 missing + 30 queued < a: 54 missing
+    assert pool.pick_prefill((), [*prompt, 1, 2, 3, 4]) is wb
+    pool.begin_prefill(wb, 30)  # b: 2 prefills more than a: past max_imbalance 1
+    assert pool.pick_prefill((), [*prompt, 1, 2, 3, 4]) is wa
 
 
 def test_config_checks_the_policy():
@@ -96,3 +123,5 @@ def test_config_checks_the_policy():
         ProxyConfig(kv_routing="random")
     with pytest.raises(ValueError, match="kv_routing_max_imbalance"):
         ProxyConfig(kv_routing_max_imbalance=-1)
+    with pytest.raises(ValueError, match="kv_routing_load_weight"):
+        ProxyConfig(kv_routing_load_weight=-0.5)

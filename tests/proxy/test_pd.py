@@ -198,10 +198,10 @@ def test_a_follow_up_turn_goes_where_its_prefix_is_and_pulls_only_new_blocks(
     conversation_workers, reference, tiny_path, caplog, kv_routing
 ):
     """Turn 1 of a chat runs on decode worker F (both idle: the first by address). A long
-    stream then busies F. Turn 2 (turn 1's prompt and answer, then new tokens): KV-aware
-    routing still sends it to F, whose prefix cache holds turn 1, so decode pulls only the
-    new blocks; routing by load sends it to the idle worker, which pulls them all. Either
-    way the answers equal one engine's."""
+    stream then busies F. Turn 2 (turn 1's prompt and answer, then new tokens; F holds more
+    than half of it): KV-aware routing still sends it to F, whose prefix cache holds turn 1,
+    so decode pulls only the new blocks; routing by load sends it to the idle worker, which
+    pulls them all. Either way the answers equal one engine's."""
     import concurrent.futures
     import logging
 
@@ -217,7 +217,7 @@ def test_a_follow_up_turn_goes_where_its_prefix_is_and_pulls_only_new_blocks(
         kv_routing=kv_routing,
     )
     seed = 0 if kv_routing == "prefix" else 1
-    turn1 = [(37 * i + 11 + seed) % 250 + 3 for i in range(60)]
+    turn1 = [(37 * i + 11 + seed) % 250 + 3 for i in range(120)]
     busy = [(13 * i + 7 + seed) % 250 + 3 for i in range(40)]
     greedy = {"model": "tiny", "temperature": 0, "return_token_ids": True}
 
@@ -241,7 +241,7 @@ def test_a_follow_up_turn_goes_where_its_prefix_is_and_pulls_only_new_blocks(
             want = reference.generate([turn1], SamplingParams(max_tokens=8))[0].token_ids
             assert answer == want and first == min(procs[1].address, procs[2].address)
             other = ({procs[1].address, procs[2].address} - {first}).pop()
-            turn2 = turn1 + answer + [(5 * i + 1 + seed) % 250 + 3 for i in range(40)]
+            turn2 = turn1 + answer + [(5 * i + 1 + seed) % 250 + 3 for i in range(20)]
             want2 = reference.generate([turn2], SamplingParams(max_tokens=8))[0].token_ids
             with (
                 concurrent.futures.ThreadPoolExecutor(1) as ex,
