@@ -230,3 +230,21 @@ def test_abort_before_keep_frees_the_blocks_when_they_are_kept():
     conn.release("q", "forged", reason="aborted")
     conn.keep("q", "tok", ((4,), ()))
     assert freed == ["r"] and conn.num_leases == 1
+
+
+def test_pull_skips_the_blocks_decode_holds():
+    """`skip[g]`: decode holds group g's first kept blocks; only the rest are sent, paired
+    with the destination blocks it lists; a skip outside the kept blocks is refused and
+    sends nothing."""
+    conn, _ = _late_keeper(keep_wait_s=0.0)
+    conn.keep("r", "tok", ((1, 2, 3, 7), (9,)))
+    res = conn.pull("r", "tok", [[22], [30]], b"peer", 64, skip=[3, 0])
+    assert res.messages == 2 and [r for _, _, regs in conn.transport.sent for r in regs] == [
+        (7, 1),
+        (9, 1),
+    ]
+    sent = len(conn.transport.sent)
+    for bad in ([5, 0], [-1, 0], [1]):
+        with pytest.raises(TransferFailed):
+            conn.pull("r", "tok", [[22], [30]], b"peer", 64, skip=bad)
+    assert len(conn.transport.sent) == sent
