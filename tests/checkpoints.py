@@ -476,6 +476,58 @@ def qwen3_next(
     return _save(model, root / name, tokenizer_vocab)
 
 
+def llama4(root: Path, name: str = "llama4", tokenizer_vocab: int | None = None, **overrides):
+    """Llama 4 text: four layers, NoPE (global) on every second (`no_rope_layer_interval` 2),
+    chunked local attention in chunks of SW_WINDOW on the RoPE layers (Llama 3.1-style RoPE on
+    adjacent pairs, L2 q/k norm); MoE (4 experts, top 2, sigmoid router, shared expert) on
+    layers 1 and 2, dense MLPs of another width on 0 and 3; head_dim 16, 4 query heads over 2
+    KV heads; attention temperature tuning with floor_scale 4 so that it grows within a test
+    prompt. Weights: transformers' init at std 0.2, plus random norm weights."""
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=32,
+        intermediate_size_mlp=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        moe_layers=[1, 2],
+        no_rope_layer_interval=2,
+        attention_chunk_size=SW_WINDOW,
+        use_qk_norm=True,
+        attn_temperature_tuning=True,
+        floor_scale=4,
+        attn_scale=0.5,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        max_position_embeddings=2048,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    fields.update(overrides)
+    model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**fields)).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if "norm" in param_name:
+                p.normal_(1.0, 0.3)
+    return _save(model, root / name, tokenizer_vocab)
+
+
 def _save(model, folder: Path, tokenizer_vocab: int | None = None) -> Path:
     if not (folder / "config.json").exists():
         model.save_pretrained(folder, safe_serialization=True)
@@ -499,4 +551,5 @@ BUILDERS = {
     "qwen3": qwen3,
     "gpt_oss": gpt_oss,
     "qwen3_next": qwen3_next,
+    "llama4": llama4,
 }

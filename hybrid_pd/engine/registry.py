@@ -21,6 +21,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3:Gemma3ForCausalLM",
     "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
+    "Llama4ForCausalLM": "llama4:Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration": "llama4:Llama4ForCausalLM",
     "LlamaForCausalLM": "llama:DenseForCausalLM",
     "MistralForCausalLM": "llama:DenseForCausalLM",
     "Qwen2ForCausalLM": "llama:DenseForCausalLM",
