@@ -278,3 +278,12 @@ def test_defaults_for_missing_fields():
     assert sorted(s.moe_layers) == ref_cfg.moe_layers == [1, 3, 5, 7]
     assert s.use_rope == [bool(f) for f in ref_cfg.no_rope_layers]
     assert s.rope.theta == ref_cfg.rope_parameters["rope_theta"] == 500000.0
+
+
+def test_config_whose_head_geometry_the_planner_reads_differently_is_refused():
+    """Without head_dim transformers takes 128, the planner hidden_size / heads: refused."""
+    config = copy.deepcopy(REFERENCE_CONFIGS[SCOUT])
+    config["text_config"].pop("head_dim")
+    config["text_config"]["hidden_size"] = 2560  # 64 per head
+    with pytest.raises(ValueError, match=r"head_dim 64 .* transformers 128"):
+        llama4._Settings(config)

@@ -108,6 +108,16 @@ class _Settings:
         if len(head_dims) != 1 or len(kv_heads) != 1:
             raise ValueError(f"{_ARCH}: layers disagree on head_dim / KV heads")
         self.head_dim, self.num_kv_heads = head_dims.pop(), kv_heads.pop()
+        # Llama4TextConfig's own rules (an absent head_dim is 128, an absent KV head count 8)
+        # differ from the planner's generic ones: refuse a config where they disagree.
+        want_dim = c.get("head_dim", 128) or self.hidden // self.num_heads
+        want_kv = c.get("num_key_value_heads", 8) or self.num_heads
+        if (self.head_dim, self.num_kv_heads) != (want_dim, want_kv):
+            raise ValueError(
+                f"{_ARCH}: the cache planner reads head_dim {self.head_dim} and "
+                f"{self.num_kv_heads} KV heads, transformers {want_dim} and {want_kv}; "
+                "give head_dim and num_key_value_heads in the config"
+            )
         if self.head_dim % 2:
             raise ValueError(f"{_ARCH}: head_dim {self.head_dim} is odd (RoPE rotates pairs)")
         if self.num_heads % self.num_kv_heads:
@@ -235,11 +245,14 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_logits, top_idx = self.router(x).topk(self.top_k, dim=-1)
         scores = torch.sigmoid(top_logits.float()).to(x.dtype)
-        out = self.shared_expert(x)
+        # the routed outputs summed in float32 and rounded once, as transformers' sum over
+        # the expert dim, then added to the shared expert's
+        routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in top_idx.unique().tolist():
             token, slot = torch.nonzero(top_idx == e, as_tuple=True)
-            out.index_add_(0, token, self.experts(e, x[token] * scores[token, slot, None]))
-        return out
+            y = self.experts(e, x[token] * scores[token, slot, None])
+            routed.index_add_(0, token, y.float())
+        return self.shared_expert(x) + routed.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
