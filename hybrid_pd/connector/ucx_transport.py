@@ -617,7 +617,8 @@ class UcxTransport:
         receives = [op.settled for op in ops if op.kind == "recv" and not op.settled.done()]
         if receives:  # cancelled receives settle quickly; pending sends would not
             await asyncio.wait(receives, timeout=1.0)
-        for op in ops:  # what still runs is left to UCX (not freed)
+        for op in ops:  # what still runs is released to UCX
+            self._free_requests(op, force=True)
             for f in (op.done, op.settled):
                 if not f.done():
                     f.cancel()
@@ -763,7 +764,7 @@ class UcxTransport:
             if st < 0:
                 op.error = i
                 break
-        op.pending = sum(r != 0 for r in op.requests)
+        op.pending = sum(r != 0 for r in op.requests)  # posted requests are all running
         self._ops.add(op)
         self._check_done(op)
         if op.pending:
@@ -779,23 +780,22 @@ class UcxTransport:
 
     def _poll_op(self, op: _Op, full: bool) -> bool:
         """Collect finished requests of `op` (in order up to the first one still running, or
-        all with `full`). Returns whether any finished."""
-        ucp = self._ucx.ucp
-        check, free = ucp.check_status, ucp.free
+        all with `full`). Returns whether any finished. Requests are freed only once none of
+        the op's is running (`_free_requests`): `ucp_request_free` takes the worker's lock
+        (a spinlock), which ucxx's progress thread holds while it copies a message, so
+        freeing during a transfer spins a core against the copy."""
+        check = self._ucx.ucp.check_status
         requests, statuses = op.requests, op.statuses
         progressed = False
-        i, n = op.cursor, len(requests)
+        i, n = op.cursor, len(statuses)
         while i < n:
-            r = requests[i]
-            if r:
-                st = check(r)
+            if statuses[i] == _UCS_INPROGRESS:
+                st = check(requests[i])
                 if st == _UCS_INPROGRESS:
                     if not full:
                         break
                     i += 1
                     continue
-                free(r)
-                requests[i] = 0
                 statuses[i] = st
                 op.pending -= 1
                 progressed = True
@@ -805,8 +805,20 @@ class UcxTransport:
                 op.cursor = i + 1
             i += 1
         if progressed:
+            if op.pending == 0:
+                self._free_requests(op)
             self._check_done(op)
         return progressed
+
+    def _free_requests(self, op: _Op, force: bool = False) -> None:
+        """Free the op's finished requests (`force`: running ones too; UCX then releases them
+        when they finish)."""
+        free = self._ucx.ucp.free
+        requests, statuses = op.requests, op.statuses
+        for i, r in enumerate(requests):
+            if r and (force or statuses[i] != _UCS_INPROGRESS):
+                free(r)
+                requests[i] = 0
 
     async def _poll_loop(self) -> None:
         """Polls the requests in flight: every loop tick (~1 ms) while they progress, backing
@@ -941,8 +953,8 @@ class UcxTransport:
 
     def _cancel_requests(self, op: _Op) -> None:
         cancel, wh = self._ucx.ucp.cancel, self._worker.handle
-        for r in op.requests:
-            if r:
+        for r, st in zip(op.requests, op.statuses, strict=True):
+            if r and st == _UCS_INPROGRESS:
                 try:
                     cancel(wh, r)
                 except Exception as e:  # pragma: no cover
