@@ -19,9 +19,14 @@ Threading. All UCX calls run in one asyncio event loop owned by the transport (a
 thread); the public methods are plain blocking calls, safe from any number of threads (gRPC
 handler threads, the engine loop), but never from the transport's own loop thread. ucxx
 progresses the UCX worker in its C++ progress thread (blocking mode, woken by UCX events, 1 ms
-epoll timeout) and completes requests through Python futures set by a notifier thread, so
-waiting costs no CPU. Requests are submitted immediately (ucxx "delayed submission" is off),
-which is what makes cancelling a posted receive safe (see `_RequestCanceller`).
+epoll timeout). The data messages bypass ucxx's request objects: the loop thread posts them
+with `ucp_tag_send_nbx` / `ucp_tag_recv_nbx` on ucxx's worker and endpoints (ctypes, see
+`_Ucp`) and polls their status about every millisecond while any are in flight (a ucxx
+request, its Python future and its completion notice cost tens of microseconds per message,
+which dominated fragmented transfers of thousands of messages). Requests are freed only once
+none of their batch is running: freeing takes the worker's spinlock, which the progress
+thread holds while it copies. Requests are submitted immediately, which is what makes
+cancelling a posted receive safe (`ucp_request_cancel`).
 
 Tags (the rule callers must follow). UCX matches tags per *worker*, not per endpoint: a
 receive posted "on" an endpoint matches a message from any peer. So the transport mixes the
@@ -66,10 +71,12 @@ UCX_ prefix) override the environment for this transport only. Note that UCX als
 interfaces on every network device it finds: where only loopback may be used (tests, the
 benchmark), pass {"NET_DEVICES": "lo"}.
 
-Latency. Progress runs in blocking mode: no core is burnt, but each send() or wait() costs
-a few hundred microseconds of thread hand-offs (0.3-1 ms per call on the 2-core dev VM), so
-a 64 KiB message moves at ~0.1 GB/s and 1 MiB at ~1.5-2 GB/s. `polling=True` busy-polls
-instead (one core per worker; slower on the 2-core VM, meant for GPU servers).
+Latency. Progress runs in blocking mode and completions are polled about every millisecond
+only while requests are in flight: no core is burnt, but each send() or wait() costs up to
+~1 ms (a 64 KiB message moves at ~0.1-0.2 GB/s and 1 MiB at ~2 GB/s on the 2-core dev VM).
+Per message the loop thread spends a few microseconds (posting, polling); the rest is UCX's
+rendezvous (RTS, CMA read, ATS) in the progress threads. `polling=True` busy-polls the UCX
+worker instead (one core per worker; slower on the 2-core VM, meant for GPU servers).
 
 CUDA. `send`/`post_recv` synchronize the caller thread's current CUDA stream of each
 region's device before handing regions to UCX; data produced on another stream must be
@@ -821,23 +828,20 @@ class UcxTransport:
                 requests[i] = 0
 
     async def _poll_loop(self) -> None:
-        """Polls the requests in flight: every loop tick (~1 ms) while they progress, backing
-        off to a few ms while nothing moves; every 50 ms all of them (failures out of order)."""
-        delay, last_full = 0.0, time.monotonic()
+        """Polls the requests in flight, in order, about every millisecond (the event loop's
+        timer resolution); every 50 ms all of them (failures out of order)."""
+        last_full = time.monotonic()
         while self._polled:
             now = time.monotonic()
             full = now - last_full > 0.05
             if full:
                 last_full = now
-            progressed = False
             for op in list(self._polled):
-                if self._poll_op(op, full):
-                    progressed = True
+                self._poll_op(op, full)
                 if op.pending == 0:
                     self._polled.discard(op)
                     self._orphans.discard(op)
-            delay = 0.0005 if progressed else min(max(delay, 0.0005) * 2, 0.004)
-            await asyncio.sleep(delay)
+            await asyncio.sleep(0.0005)
 
     async def _send_async(
         self,
