@@ -19,9 +19,14 @@ Threading. All UCX calls run in one asyncio event loop owned by the transport (a
 thread); the public methods are plain blocking calls, safe from any number of threads (gRPC
 handler threads, the engine loop), but never from the transport's own loop thread. ucxx
 progresses the UCX worker in its C++ progress thread (blocking mode, woken by UCX events, 1 ms
-epoll timeout) and completes requests through Python futures set by a notifier thread, so
-waiting costs no CPU. Requests are submitted immediately (ucxx "delayed submission" is off),
-which is what makes cancelling a posted receive safe (see `_RequestCanceller`).
+epoll timeout). The data messages bypass ucxx's request objects: the loop thread posts them
+with `ucp_tag_send_nbx` / `ucp_tag_recv_nbx` on ucxx's worker and endpoints (ctypes, see
+`_Ucp`) and polls their status about every millisecond while any are in flight (a ucxx
+request, its Python future and its completion notice cost tens of microseconds per message,
+which dominated fragmented transfers of thousands of messages). Requests are freed only once
+none of their batch is running: freeing takes the worker's spinlock, which the progress
+thread holds while it copies. Requests are submitted immediately, which is what makes
+cancelling a posted receive safe (`ucp_request_cancel`).
 
 Tags (the rule callers must follow). UCX matches tags per *worker*, not per endpoint: a
 receive posted "on" an endpoint matches a message from any peer. So the transport mixes the
@@ -66,10 +71,12 @@ UCX_ prefix) override the environment for this transport only. Note that UCX als
 interfaces on every network device it finds: where only loopback may be used (tests, the
 benchmark), pass {"NET_DEVICES": "lo"}.
 
-Latency. Progress runs in blocking mode: no core is burnt, but each send() or wait() costs
-a few hundred microseconds of thread hand-offs (0.3-1 ms per call on the 2-core dev VM), so
-a 64 KiB message moves at ~0.1 GB/s and 1 MiB at ~1.5-2 GB/s. `polling=True` busy-polls
-instead (one core per worker; slower on the 2-core VM, meant for GPU servers).
+Latency. Progress runs in blocking mode and completions are polled about every millisecond
+only while requests are in flight: no core is burnt, but each send() or wait() costs up to
+~1 ms (a 64 KiB message moves at ~0.1-0.2 GB/s and 1 MiB at ~2 GB/s on the 2-core dev VM).
+Per message the loop thread spends a few microseconds (posting, polling); the rest is UCX's
+rendezvous (RTS, CMA read, ATS) in the progress threads. `polling=True` busy-polls the UCX
+worker instead (one core per worker; slower on the 2-core VM, meant for GPU servers).
 
 CUDA. `send`/`post_recv` synchronize the caller thread's current CUDA stream of each
 region's device before handing regions to UCX; data produced on another stream must be
@@ -148,6 +155,7 @@ class _Ucx:
         self.Tag = Tag
         self.TagMaskFull = TagMaskFull
         self.cancel = _RequestCanceller()
+        self.ucp = _Ucp()
 
 
 class _RequestCanceller:
@@ -189,6 +197,72 @@ class _RequestCanceller:
     def __call__(self, request: Any) -> None:
         if not request.completed:
             self._fn(request.ucxx_ptr)
+
+
+_UCS_OK = 0
+_UCS_INPROGRESS = 1
+_UCS_ERR_MESSAGE_TRUNCATED = -9
+_STATUS_SPAN = 1 << 64
+
+
+class _Ucp:
+    """Direct ctypes access to the libucp that ucxx loaded, for the bulk data path: one
+    `ucp_tag_send_nbx` / `ucp_tag_recv_nbx` per region on ucxx's own worker and endpoints,
+    without a ucxx request object, Python future and notification per message (those cost
+    tens of microseconds each; a fragmented request is thousands of messages).
+
+    Requests are posted without a callback (a zeroed `ucp_request_param_t`: contiguous
+    bytes, memory type detected) and polled with `ucp_request_check_status`, then freed.
+    The worker runs in UCS_THREAD_MODE_MULTI (ucxx creates it so), so posting, polling and
+    cancelling from the loop thread while ucxx's progress thread progresses it is allowed."""
+
+    PARAM_BYTES = 256  # > sizeof(ucp_request_param_t) (72 in UCX 1.21); op_attr_mask = 0
+
+    def __init__(self) -> None:
+        candidates = []
+        try:
+            import libucx
+
+            candidates.append(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so"))
+        except ImportError:
+            pass
+        candidates.append("libucp.so")
+        lib = None
+        for path in candidates:
+            try:
+                lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise TransferError("libucp.so not found")
+        vp, sz, u64 = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64
+        lib.ucp_tag_send_nbx.argtypes = [vp, vp, sz, u64, vp]
+        lib.ucp_tag_send_nbx.restype = vp
+        lib.ucp_tag_recv_nbx.argtypes = [vp, vp, sz, u64, u64, vp]
+        lib.ucp_tag_recv_nbx.restype = vp
+        lib.ucp_request_check_status.argtypes = [vp]
+        lib.ucp_request_check_status.restype = ctypes.c_int8  # ucs_status_t is packed (1 byte)
+        lib.ucp_request_cancel.argtypes = [vp, vp]
+        lib.ucp_request_cancel.restype = None
+        lib.ucp_request_free.argtypes = [vp]
+        lib.ucp_request_free.restype = None
+        self.tag_send = lib.ucp_tag_send_nbx
+        self.tag_recv = lib.ucp_tag_recv_nbx
+        self.check_status = lib.ucp_request_check_status
+        self.cancel = lib.ucp_request_cancel
+        self.free = lib.ucp_request_free
+        self._param = ctypes.create_string_buffer(self.PARAM_BYTES)
+        self.param = ctypes.addressof(self._param)
+
+
+def _ptr_status(v: int | None) -> tuple[int, int]:
+    """(request, status) of a ucs_status_ptr_t: (0, status) when done at once."""
+    if not v:
+        return 0, _UCS_OK
+    if v >= _STATUS_SPAN - 128:  # UCS_PTR_IS_ERR: a negative status in the pointer
+        return 0, v - _STATUS_SPAN
+    return v, _UCS_INPROGRESS
 
 
 _ucx: _Ucx | None = None
@@ -234,10 +308,30 @@ def _as_buffer(t: torch.Tensor) -> Any:
 def _prepare(regions: list[torch.Tensor]) -> tuple[list[Any], list[int]]:
     bufs = [_as_buffer(r) for r in regions]
     sizes = [r.numel() * r.element_size() for r in regions]
+    _sync(regions)
+    return bufs, sizes
+
+
+def _sync(regions: list[torch.Tensor]) -> None:
     devices = {r.device for r in regions if r.device.type == "cuda"}
     for d in devices:  # the data must be in memory before UCX reads or writes it
         torch.cuda.current_stream(d).synchronize()
-    return bufs, sizes
+
+
+def _pointers(regions: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """(addresses, byte sizes) of contiguous CPU or CUDA tensors; synchronizes CUDA."""
+    ptrs, sizes = [], []
+    for r in regions:
+        if not isinstance(r, torch.Tensor):
+            raise TypeError(f"regions must be torch tensors, not {type(r).__name__}")
+        if not r.is_contiguous():
+            raise ValueError("regions must be contiguous tensors")
+        if r.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"regions on {r.device} are not supported (CPU or CUDA only)")
+        ptrs.append(r.data_ptr())
+        sizes.append(r.numel() * r.element_size())
+    _sync(regions)
+    return ptrs, sizes
 
 
 # -- operations -------------------------------------------------------------------------------
@@ -245,15 +339,21 @@ def _prepare(regions: list[torch.Tensor]) -> tuple[list[Any], list[int]]:
 
 @dataclass(eq=False)
 class _Op:
-    """One batch of UCX requests plus everything that must stay alive while they are pending."""
+    """One batch of raw UCP requests (polled by the loop thread) plus everything that must
+    stay alive while they are pending."""
 
     kind: str  # "send" | "recv"
-    requests: list[Any]
-    waiters: list[asyncio.Future]
+    requests: list[int]  # UCP request pointers; 0 once completed and freed (or done at once)
+    statuses: list[int]  # per posted message: _UCS_INPROGRESS, _UCS_OK or an error status
     keepalive: list[Any]
     wire_tags: list[int]
     sizes: list[int]
     peer: bytes = b""
+    pending: int = 0  # requests still in progress
+    cursor: int = 0  # messages before it are known complete
+    error: int = -1  # index of the first message that failed (-1: none yet)
+    done: asyncio.Future | None = None  # set when all completed or one failed
+    settled: asyncio.Future | None = None  # set when nothing is in progress any more
     settling: asyncio.Task | None = field(default=None)  # the one cleanup after a failure
 
 
@@ -276,7 +376,8 @@ class RecvHandle:
     @property
     def done(self) -> bool:
         """True once every message arrived, or the handle failed or was cancelled."""
-        return self._finished or all(r.completed for r in self._op.requests)
+        op = self._op
+        return self._finished or (op.pending == 0 and len(op.statuses) == len(op.wire_tags))
 
     @property
     def nbytes(self) -> int:
@@ -362,6 +463,8 @@ class UcxTransport:
         self._drain: dict[int, float] = {}  # wire tag -> deadline (monotonic)
         self._drain_task: asyncio.Task | None = None
         self._scratch = np.empty(64, dtype=np.uint8)
+        self._polled: set[_Op] = set()  # ops with requests in progress (polled)
+        self._poll_task: asyncio.Task | None = None
         self._stats_lock = threading.Lock()
         self._stats = {
             "messages_sent": 0,
@@ -515,18 +618,20 @@ class UcxTransport:
         self._context = None
 
     async def _shutdown_async(self) -> None:
-        cancel = self._ucx.cancel
         ops = list(self._ops) + list(self._orphans)
         for op in ops:
-            for r in op.requests:
-                cancel(r)
-        receives = [w for op in ops if op.kind == "recv" for w in op.waiters if not w.done()]
+            self._cancel_requests(op)
+        receives = [op.settled for op in ops if op.kind == "recv" and not op.settled.done()]
         if receives:  # cancelled receives settle quickly; pending sends would not
             await asyncio.wait(receives, timeout=1.0)
-        waiters = [w for op in ops for w in op.waiters if not w.done()]
-        for w in waiters:
-            if not w.done():
-                w.cancel()
+        for op in ops:  # what still runs is released to UCX
+            self._free_requests(op, force=True)
+            for f in (op.done, op.settled):
+                if not f.done():
+                    f.cancel()
+        self._polled.clear()
+        if self._poll_task is not None:
+            self._poll_task.cancel()
         if self._drain_task is not None:
             self._drain_task.cancel()
         self._drain.clear()
@@ -560,9 +665,7 @@ class UcxTransport:
             s = dict(self._stats)
         s["endpoints"] = len(self._endpoints)
         s["pending_ops"] = len(self._ops)
-        s["orphan_sends"] = sum(
-            sum(not r.completed for r in op.requests) for op in list(self._orphans)
-        )
+        s["orphan_sends"] = sum(op.pending for op in list(self._orphans))
         s["drain_pending"] = len(self._drain)
         return s
 
@@ -572,10 +675,10 @@ class UcxTransport:
         self._check_open()
         peer = bytes(peer)
         tags = wire_tags(self._address, tag, len(regions))
-        bufs, sizes = _prepare(regions)
+        ptrs, sizes = _pointers(regions)
         if not regions:
             return
-        self._call(self._send_async(peer, tags, bufs, sizes, list(regions), timeout), timeout)
+        self._call(self._send_async(peer, tags, ptrs, sizes, list(regions), timeout), timeout)
 
     def post_recv(self, peer: bytes, tag: int, regions: list[torch.Tensor]) -> RecvHandle:
         """Post receives of messages `tag + i` from `peer` straight into `regions[i]`; returns
@@ -583,8 +686,8 @@ class UcxTransport:
         self._check_open()
         peer = bytes(peer)
         tags = wire_tags(peer, tag, len(regions))
-        bufs, sizes = _prepare(regions)
-        op = self._call(self._post_recv_async(peer, tags, bufs, sizes, list(regions)), 0.0)
+        ptrs, sizes = _pointers(regions)
+        op = self._call(self._post_recv_async(peer, tags, ptrs, sizes, list(regions)), 0.0)
         return RecvHandle(self, op)
 
     def discard(self, peer: bytes, tag: int, count: int) -> None:
@@ -656,47 +759,116 @@ class UcxTransport:
             self._endpoints[peer] = ep
         return ep
 
-    def _track(self, op: _Op) -> None:
-        op.waiters = [self._waiter(r) for r in op.requests]
-        for w in op.waiters:
-            w.add_done_callback(_consume)
-        self._ops.add(op)
+    def _new_op(self, kind: str, peer: bytes, tags: list[int], sizes: list[int], keep: list) -> _Op:
+        loop = self._loop
+        return _Op(kind, [], [], keep, tags, sizes, peer, done=loop.create_future(),
+                   settled=loop.create_future())
 
-    def _waiter(self, request: Any) -> asyncio.Future:
-        """A future for `request`. One that completed at submission (eager sends, messages
-        already here) is resolved now: waiting for ucxx's notification of it costs a few
-        hundred microseconds of thread hand-offs."""
-        if not request.completed:
-            return asyncio.ensure_future(request.wait())
-        f = self._loop.create_future()
-        try:
-            request.check_error()
-        except Exception as e:
-            f.set_exception(e)
-        else:
-            f.set_result(None)
-        return f
+    def _posted(self, op: _Op) -> None:
+        """After posting: account for what completed at once, start polling the rest."""
+        statuses = op.statuses
+        for i, st in enumerate(statuses):
+            if st < 0:
+                op.error = i
+                break
+        op.pending = sum(r != 0 for r in op.requests)  # posted requests are all running
+        self._ops.add(op)
+        self._check_done(op)
+        if op.pending:
+            self._polled.add(op)
+            if self._poll_task is None or self._poll_task.done():
+                self._poll_task = asyncio.ensure_future(self._poll_loop())
+
+    def _check_done(self, op: _Op) -> None:
+        if op.pending == 0 and not op.settled.done():
+            op.settled.set_result(None)
+        if not op.done.done() and (op.error >= 0 or op.settled.done()):
+            op.done.set_result(None)
+
+    def _poll_op(self, op: _Op, full: bool) -> bool:
+        """Collect finished requests of `op` (in order up to the first one still running, or
+        all with `full`). Returns whether any finished. Requests are freed only once none of
+        the op's is running (`_free_requests`): `ucp_request_free` takes the worker's lock
+        (a spinlock), which ucxx's progress thread holds while it copies a message, so
+        freeing during a transfer spins a core against the copy."""
+        check = self._ucx.ucp.check_status
+        requests, statuses = op.requests, op.statuses
+        progressed = False
+        i, n = op.cursor, len(statuses)
+        while i < n:
+            if statuses[i] == _UCS_INPROGRESS:
+                st = check(requests[i])
+                if st == _UCS_INPROGRESS:
+                    if not full:
+                        break
+                    i += 1
+                    continue
+                statuses[i] = st
+                op.pending -= 1
+                progressed = True
+                if st < 0 and (op.error < 0 or i < op.error):
+                    op.error = i
+            if i == op.cursor:
+                op.cursor = i + 1
+            i += 1
+        if progressed:
+            if op.pending == 0:
+                self._free_requests(op)
+            self._check_done(op)
+        return progressed
+
+    def _free_requests(self, op: _Op, force: bool = False) -> None:
+        """Free the op's finished requests (`force`: running ones too; UCX then releases them
+        when they finish)."""
+        free = self._ucx.ucp.free
+        requests, statuses = op.requests, op.statuses
+        for i, r in enumerate(requests):
+            if r and (force or statuses[i] != _UCS_INPROGRESS):
+                free(r)
+                requests[i] = 0
+
+    async def _poll_loop(self) -> None:
+        """Polls the requests in flight, in order, about every millisecond (the event loop's
+        timer resolution); every 50 ms all of them (failures out of order)."""
+        last_full = time.monotonic()
+        while self._polled:
+            now = time.monotonic()
+            full = now - last_full > 0.05
+            if full:
+                last_full = now
+            for op in list(self._polled):
+                self._poll_op(op, full)
+                if op.pending == 0:
+                    self._polled.discard(op)
+                    self._orphans.discard(op)
+            await asyncio.sleep(0.0005)
 
     async def _send_async(
         self,
         peer: bytes,
         tags: list[int],
-        bufs: list[Any],
+        ptrs: list[int],
         sizes: list[int],
         keep: list[Any],
         timeout: float,
     ) -> None:
-        ucx = self._ucx
-        op = _Op("send", [], [], [*keep, *bufs], tags, sizes, peer)
+        ucp = self._ucx.ucp
+        op = self._new_op("send", peer, tags, sizes, keep)
         try:
-            ep = self._endpoint(peer)
-            for t, b in zip(tags, bufs, strict=True):
-                op.requests.append(ep.tag_send(ucx.Array(b), ucx.Tag(t)))
+            eph = self._endpoint(peer).handle
+            send, param = ucp.tag_send, ucp.param
+            reqs, statuses = op.requests, op.statuses
+            for t, p, n in zip(tags, ptrs, sizes, strict=True):
+                r, st = _ptr_status(send(eph, p, n, t, param))
+                reqs.append(r)
+                statuses.append(st)
+                if st < 0:
+                    break
         except Exception as e:
-            self._track(op)
+            self._posted(op)
             await self._settle(op)
             raise TransferError(f"UCX send failed to start: {e}") from e
-        self._track(op)
+        self._posted(op)
         error = await self._wait_op(op, timeout)
         if error is not None:
             await self._settle(op)
@@ -706,19 +878,31 @@ class UcxTransport:
             self._count("messages_sent", len(tags), "bytes_sent", sum(sizes))
 
     async def _post_recv_async(
-        self, peer: bytes, tags: list[int], bufs: list[Any], sizes: list[int], keep: list[Any]
+        self, peer: bytes, tags: list[int], ptrs: list[int], sizes: list[int], keep: list[Any]
     ) -> _Op:
-        ucx = self._ucx
-        op = _Op("recv", [], [], [*keep, *bufs], tags, sizes, peer)
+        ucp = self._ucx.ucp
+        op = self._new_op("recv", peer, tags, sizes, keep)
         try:
-            for t, b in zip(tags, bufs, strict=True):
-                self._drain.pop(t, None)  # a new receive takes the tag back from draining
-                op.requests.append(self._worker.tag_recv(ucx.Array(b), ucx.Tag(t), ucx.TagMaskFull))
+            wh = self._worker.handle
+            recv, param, drain = ucp.tag_recv, ucp.param, self._drain
+            reqs, statuses = op.requests, op.statuses
+            full = TAG_SPACE - 1
+            for t, p, n in zip(tags, ptrs, sizes, strict=True):
+                if drain:
+                    drain.pop(t, None)  # a new receive takes the tag back from draining
+                r, st = _ptr_status(recv(wh, p, n, t, full, param))
+                reqs.append(r)
+                statuses.append(st)
+                if st < 0:
+                    break
         except Exception as e:
-            self._track(op)
+            self._posted(op)
             await self._settle(op)
             raise TransferError(f"posting UCX receives failed: {e}") from e
-        self._track(op)
+        self._posted(op)
+        if op.error >= 0:
+            await self._settle(op)
+            raise TransferError(f"posting UCX receives failed: status {op.statuses[op.error]}")
         return op
 
     async def _wait_recv_async(self, op: _Op, timeout: float) -> None:
@@ -736,37 +920,33 @@ class UcxTransport:
         """Cancel a receive batch; returns how many requests are still running."""
         if op.settling is None and op not in self._ops:
             return 0  # already finished successfully
-        if op.settling is None and all(
-            w.done() and not w.cancelled() and w.exception() is None for w in op.waiters
-        ):
-            self._ops.discard(op)  # everything arrived before the cancel
-            return 0
+        if op.settling is None and op.error < 0 and op.settled.done():
+            if len(op.statuses) == len(op.wire_tags):
+                self._ops.discard(op)  # everything arrived before the cancel
+                return 0
         return await self._settle(op)
 
     async def _wait_op(self, op: _Op, timeout: float) -> TransferError | None:
         """None when every request succeeded within `timeout`, else the error to raise."""
-        if not op.waiters:
-            return None
-        done, pending = await asyncio.wait(
-            op.waiters, timeout=max(timeout, 0.0), return_when=asyncio.FIRST_EXCEPTION
-        )
-        for i, w in enumerate(op.waiters):
-            if w not in done:
-                continue
-            if w.cancelled():
+        if not op.done.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(op.done), max(timeout, 0.0))
+            except TimeoutError:
+                self._poll_op(op, True)
+                if not op.done.done():
+                    return TransferError(
+                        f"UCX {op.kind} timed out after {timeout}s "
+                        f"({op.pending} of {len(op.wire_tags)} messages pending)"
+                    )
+        if op.error >= 0:
+            i, st = op.error, op.statuses[op.error]
+            if st == _UCS_ERR_CANCELED:
                 return TransferError(f"UCX {op.kind} of message {i} cancelled")
-            e = w.exception()
-            if e is not None:
-                if "truncated" in str(e).lower():
-                    what = "message larger than the destination region"
-                else:
-                    what = f"{type(e).__name__}: {e}"
-                return TransferError(f"UCX {op.kind} of message {i} failed: {what}")
-        if pending:
-            return TransferError(
-                f"UCX {op.kind} timed out after {timeout}s "
-                f"({len(pending)} of {len(op.waiters)} messages pending)"
-            )
+            if st == _UCS_ERR_MESSAGE_TRUNCATED:
+                what = "message larger than the destination region"
+            else:
+                what = f"status {st}"
+            return TransferError(f"UCX {op.kind} of message {i} failed: {what}")
         return None
 
     async def _settle(self, op: _Op) -> int:
@@ -775,40 +955,40 @@ class UcxTransport:
             op.settling = asyncio.ensure_future(self._settle_once(op))
         return await asyncio.shield(op.settling)
 
+    def _cancel_requests(self, op: _Op) -> None:
+        cancel, wh = self._ucx.ucp.cancel, self._worker.handle
+        for r, st in zip(op.requests, op.statuses, strict=True):
+            if r and st == _UCS_INPROGRESS:
+                try:
+                    cancel(wh, r)
+                except Exception as e:  # pragma: no cover
+                    logger.debug("ucx cancel: %s", e)
+
     async def _settle_once(self, op: _Op) -> int:
         """Cancel what is pending and wait a little for it to settle; receives cancelled in
-        UCX have their tags drained; what still runs is kept alive (orphans). Returns how
-        many requests are still pending."""
+        UCX have their tags drained; what still runs is kept alive (orphans, still polled).
+        Returns how many requests are still pending."""
         self._count(f"{op.kind}_failures", 1)
-        cancel = self._ucx.cancel
-        for r in op.requests:
-            try:
-                cancel(r)
-            except Exception as e:  # pragma: no cover
-                logger.debug("ucx cancel: %s", e)
-        pending = [w for w in op.waiters if not w.done()]
-        if pending:  # a started rendezvous send cannot be cancelled: do not wait long for it
+        self._cancel_requests(op)
+        if op.pending:  # a started rendezvous send cannot be cancelled: do not wait long for it
             grace = _CANCEL_GRACE_S if op.kind == "recv" else _SEND_CANCEL_GRACE_S
-            await asyncio.wait(pending, timeout=grace)
+            try:
+                await asyncio.wait_for(asyncio.shield(op.settled), grace)
+            except TimeoutError:
+                self._poll_op(op, True)
         self._ops.discard(op)
         if op.kind == "recv":
             dropped = [
                 t
-                for t, r in zip(op.wire_tags, op.requests, strict=False)
-                if r.completed and r.status == _UCS_ERR_CANCELED
+                for t, st in zip(op.wire_tags, op.statuses, strict=False)
+                if st == _UCS_ERR_CANCELED
             ]
-            dropped += op.wire_tags[len(op.requests) :]  # never posted
+            dropped += op.wire_tags[len(op.statuses) :]  # never posted
             await self._add_drain(dropped)
-        still = sum(not w.done() for w in op.waiters)
+        still = op.pending
         if still:
-            self._orphans.add(op)
-            for w in op.waiters:
-                w.add_done_callback(lambda _w, op=op: self._orphan_progress(op))
+            self._orphans.add(op)  # the poller drops it once its requests finish
         return still
-
-    def _orphan_progress(self, op: _Op) -> None:
-        if all(w.done() for w in op.waiters):
-            self._orphans.discard(op)
 
     async def _add_drain(self, tags: list[int]) -> None:
         if not tags:
