@@ -51,6 +51,28 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+class PackedWeights:
+    """`pack_weight` copies of weights that are not `nn.Linear`s (the MoE experts' stacked
+    matrices), by name, each rebuilt when its weight changes."""
+
+    def __init__(self) -> None:
+        self._packs: dict[object, tuple[torch.Tensor | None, tuple]] = {}
+
+    def get(self, name: object, weight: torch.Tensor) -> torch.Tensor | None:
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape)
+        hit = self._packs.get(name)
+        if hit is None or hit[1] != key:
+            hit = self._packs[name] = (pack_weight(weight), key)
+        return hit[0]
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None):
+    """`linear(x, weight)` (no bias) through `packed`, the `pack_weight` copy of `weight`."""
+    if packed is not None and x.dtype is weight.dtype and x.device.type == "cpu" and x.numel():
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return linear(x, weight)
+
+
 class OneDnnLinear(nn.Linear):
     """An `nn.Linear` whose forward goes through `linear`, with its weight packed for oneDNN
     (`pack_weight`, kept beside the parameter, rebuilt when the parameter changes); same
