@@ -213,9 +213,13 @@ class KVPool:
         offsets, _ = state_tensor_offsets(spec)
         width = span * raw.shape[1]
         flat = self._gathered.pop(layer_name, None)
-        if flat is None or flat.shape != (rows, width) or any(
-            _shares_storage(t, flat) and not _is_region(t, flat, off, dtype)
-            for off, t, dtype in zip(offsets, tensors, spec.dtypes, strict=True)
+        if (
+            flat is None
+            or flat.shape != (rows, width)
+            or any(
+                _shares_storage(t, flat) and not _is_region(t, flat, off, dtype)
+                for off, t, dtype in zip(offsets, tensors, spec.dtypes, strict=True)
+            )
         ):
             # every byte of `flat` is written below: the tensors, then zeros in the gaps
             # (alignment, padding), cheaper than zero-filling it all first
