@@ -52,6 +52,21 @@ def _words(raw: torch.Tensor) -> torch.Tensor:
     return raw.view(torch.int64)
 
 
+def _shares_storage(t: torch.Tensor, flat: torch.Tensor) -> bool:
+    return t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+def _is_region(t: torch.Tensor, flat: torch.Tensor, off: int, dtype: str) -> bool:
+    """Whether `t` [rows, *shape] is exactly the `dtype` view of bytes [off, off + n) of
+    each row of `flat` (as `gather_states` hands them out)."""
+    typed = torch_dtype(dtype)
+    if t.dtype != typed or not _shares_storage(t, flat):
+        return False
+    if t.data_ptr() != flat.data_ptr() + off or t.stride(0) * t.element_size() != flat.stride(0):
+        return False
+    return t[0].is_contiguous()
+
+
 class KVPool:
     """Owns the KV memory of one worker."""
 
@@ -66,6 +81,9 @@ class KVPool:
         # Views never change (the buffer is fixed): build each once, layers ask every step.
         self._attention_views: dict[str, torch.Tensor] = {}
         self._state_views: dict[str, list[torch.Tensor]] = {}
+        # the buffer the last `gather_states` of a layer (state over several blocks) copied
+        # the states into: `scatter_states` writes it back as is when handed its own views
+        self._gathered: dict[str, torch.Tensor] = {}
 
     @property
     def device(self) -> torch.device:
@@ -163,7 +181,9 @@ class KVPool:
         assert isinstance(spec, StateSpec)
         # one request's state is the concatenation of its blocks' slots (see read_state)
         # index_select of whole rows copies far faster than indexing single bytes
-        flat = raw.index_select(0, block_ids.flatten()).view(len(block_ids), -1)
+        flat = _words(raw).index_select(0, block_ids.flatten()).view(torch.uint8)
+        flat = flat.view(len(block_ids), -1)
+        self._gathered[layer_name] = flat
         offsets, _ = state_tensor_offsets(spec)
         out = []
         for off, shape, dtype in zip(offsets, spec.shapes, spec.dtypes, strict=True):
@@ -192,15 +212,26 @@ class KVPool:
             return
         offsets, _ = state_tensor_offsets(spec)
         width = span * raw.shape[1]
-        # every byte of `flat` is written below: the tensors, then zeros in the gaps
-        # (alignment, padding), cheaper than zero-filling it all first
-        flat = torch.empty(rows, width, dtype=torch.uint8, device=raw.device)
+        flat = self._gathered.pop(layer_name, None)
+        if (
+            flat is None
+            or flat.shape != (rows, width)
+            or any(
+                _shares_storage(t, flat) and not _is_region(t, flat, off, dtype)
+                for off, t, dtype in zip(offsets, tensors, spec.dtypes, strict=True)
+            )
+        ):
+            # every byte of `flat` is written below: the tensors, then zeros in the gaps
+            # (alignment, padding), cheaper than zero-filling it all first
+            flat = torch.empty(rows, width, dtype=torch.uint8, device=raw.device)
         end = 0
         for off, t, dtype in zip(offsets, tensors, spec.dtypes, strict=True):
-            data = t.to(torch_dtype(dtype)).contiguous().view(rows, -1).view(torch.uint8)
+            n = math.prod(t.shape[1:]) * dtype_bytes(dtype)
             flat[:, end:off] = 0
-            flat[:, off : off + data.shape[1]] = data
-            end = off + data.shape[1]
+            if not _is_region(t, flat, off, dtype):  # the gathered views are already there
+                region = flat[:, off : off + n].view(torch_dtype(dtype)).view(t.shape)
+                region.copy_(t)
+            end = off + n
         flat[:, end:width] = 0
         _words(raw)[block_ids.flatten()] = _words(flat.view(rows * span, raw.shape[1]))
 

@@ -54,3 +54,31 @@ def test_loader_switches_cpu_linears(tmp_path):
     model, _, _ = load_model(checkpoints.llama(tmp_path))
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(type(m) is OneDnnLinear for m in linears)
+
+
+def expect_close(layer: nn.Linear, x: torch.Tensor) -> None:
+    expected = F.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_packed_weight_follows_the_parameter():
+    layer = nn.Linear(64, 96)
+    use_onednn_linears(layer)
+    x = torch.randn(7, 64)
+    torch.testing.assert_close(
+        layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4
+    )
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # in place: the packed copy must be rebuilt
+    torch.testing.assert_close(
+        layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4
+    )
+    layer.weight = nn.Parameter(torch.randn(96, 64))  # replaced
+    torch.testing.assert_close(
+        layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4
+    )
+    with torch.no_grad():
+        layer.to(torch.float64)  # a dtype oneDNN does not take here: plain F.linear
+    xd = x.double()
+    torch.testing.assert_close(layer(xd), F.linear(xd, layer.weight, layer.bias))

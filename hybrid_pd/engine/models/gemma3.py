@@ -25,6 +25,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
+from hybrid_pd.engine.onednn import PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
 
 SLIDING = "sliding_attention"
@@ -206,6 +207,7 @@ class Gemma3ForCausalLM(nn.Module):
             self.lm_head = nn.Linear(int(s.get("hidden_size")), int(s.get("vocab_size")), False)
         cap = s.get("final_logit_softcapping")
         self.final_softcap = None if cap is None else float(cap)
+        self._packs = PackedWeights()
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple]:
         out = {}
@@ -227,8 +229,11 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = hidden @ weight.t()
+        if self.lm_head is None:  # tied: the embedding, through its own packed copy
+            weight = self.model.embed_tokens.weight
+            logits = packed_linear(hidden, weight, self._packs.get("lm_head", weight))
+        else:
+            logits = self.lm_head(hidden)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

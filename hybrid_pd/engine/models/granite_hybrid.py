@@ -23,7 +23,7 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import RMSNorm, Rotary, activation, copy_weight
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
-from hybrid_pd.engine.onednn import linear
+from hybrid_pd.engine.onednn import PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
 
 _LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -179,6 +179,7 @@ class SparseMoE(nn.Module):
         self.input_linear = _ExpertWeights((s.n_experts, 2 * s.expert_inter, s.hidden))
         self.output_linear = _ExpertWeights((s.n_experts, s.hidden, s.expert_inter))
         self.act = activation(s.act)
+        self._packs = PackedWeights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router.layer(x).float()
@@ -187,8 +188,11 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         for e in top_idx.unique().tolist():
             token, slot = torch.nonzero(top_idx == e, as_tuple=True)
-            gate, up = linear(x[token], self.input_linear.weight[e]).chunk(2, dim=-1)
-            y = linear(self.act(gate) * up, self.output_linear.weight[e])
+            w_in, w_out = self.input_linear.weight[e], self.output_linear.weight[e]
+            gate, up = packed_linear(x[token], w_in, self._packs.get(("in", e), w_in)).chunk(
+                2, dim=-1
+            )
+            y = packed_linear(self.act(gate) * up, w_out, self._packs.get(("out", e), w_out))
             out.index_add_(0, token, y * top_w[token, slot, None])
         return out
 

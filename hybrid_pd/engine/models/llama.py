@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
 from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings, rotate
+from hybrid_pd.engine.onednn import PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
@@ -178,6 +178,7 @@ class DenseForCausalLM(nn.Module):
         self.family = s.family
         self.model = DenseModel(s)
         self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
+        self._packs = PackedWeights()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         embed = self.model.embed_tokens
@@ -189,8 +190,10 @@ class DenseForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight)
+        if self.lm_head is None:  # tied: the embedding, through its own packed copy
+            weight = self.model.embed_tokens.weight
+            return packed_linear(hidden, weight, self._packs.get("lm_head", weight))
+        return self.lm_head(hidden)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -148,11 +148,13 @@ def _ssd_chunked(x, dt, a_coef, b, c, chunk: int, h0: torch.Tensor, offset: int)
     return y, state
 
 
-def _ssd_step(x, dt, a_coef, b, c, h0):
+def _ssd_step(x, dt, a_coef, b, c, h0, in_place: bool = False):
     """One recurrent step, batched over leading dims: x [..., H, P], dt [..., H], b/c
-    [..., H, N], h0 [..., H, P, N] -> y [..., H, P] (no D term), state."""
+    [..., H, N], h0 [..., H, P, N] -> y [..., H, P] (no D term), state (h0 itself, updated,
+    with `in_place`)."""
     decay = torch.exp(dt * a_coef)[..., None, None]
-    state = (h0 * decay).addcmul_((x * dt[..., None])[..., None], b[..., None, :])
+    state = h0.mul_(decay) if in_place else h0 * decay
+    state = state.addcmul_((x * dt[..., None])[..., None], b[..., None, :])
     y = (state @ c[..., None])[..., 0]
     return y, state
 
@@ -234,9 +236,13 @@ class Mamba2Mixer(nn.Module):
         if self.conv1d.bias is not None:
             conv = conv + self.conv1d.bias
         x, b, c = self._split_heads(self.act(conv))
-        y, h1 = _ssd_step(x, dt, a_coef, b, c, ssm_state.float())
+        # the gathered states are copies: update them where they are, and hand them back
+        # (a pool whose states span several blocks then writes their buffer back as is)
+        in_place = ssm_state.dtype is torch.float32
+        y, h1 = _ssd_step(x, dt, a_coef, b, c, ssm_state.float(), in_place=in_place)
         y = y + x * self.D.float()[:, None]
-        write_state_rows(self.name, batch, rows, [window[:, :, 1:], h1])
+        conv_state.copy_(window[:, :, 1:])
+        write_state_rows(self.name, batch, rows, [conv_state, h1])
         return y.flatten(1)
 
     def _split_heads(self, xbc: torch.Tensor):
