@@ -761,8 +761,17 @@ class UcxTransport:
 
     def _new_op(self, kind: str, peer: bytes, tags: list[int], sizes: list[int], keep: list) -> _Op:
         loop = self._loop
-        return _Op(kind, [], [], keep, tags, sizes, peer, done=loop.create_future(),
-                   settled=loop.create_future())
+        return _Op(
+            kind,
+            [],
+            [],
+            keep,
+            tags,
+            sizes,
+            peer,
+            done=loop.create_future(),
+            settled=loop.create_future(),
+        )
 
     def _posted(self, op: _Op) -> None:
         """After posting: account for what completed at once, start polling the rest."""
