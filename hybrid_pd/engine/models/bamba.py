@@ -27,7 +27,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
-from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, config_int, copy_weight
+from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, config_int, load_checkpoint
 from hybrid_pd.engine.models.mamba2 import (
     Mamba2Dims,
     Mamba2Mixer,
@@ -165,17 +165,9 @@ class BambaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing weights
-        raise (KeyError / ValueError), naming the tensor."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for key, tensor in weights:
-            if any(part in key for part in _IGNORED):
-                continue
-            if key == "lm_head.weight" and self.lm_head is None:
-                continue  # tied to the embedding
-            copy_weight(params, key, tensor, _ARCH, key)
-            loaded.add(key)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise KeyError(f"{_ARCH}: weights missing from the checkpoint: {missing[:8]}")
+        """Copy the checkpoint's tensors in (see `load_checkpoint`)."""
+
+        def convert(key: str, tensor: torch.Tensor):
+            return () if any(part in key for part in _IGNORED) else ((key, tensor),)
+
+        load_checkpoint(self, weights, _ARCH, convert)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -107,6 +108,29 @@ def copy_weight(
             f"expected {tuple(param.shape)}"
         )
     param.copy_(tensor.to(param.dtype))
+
+
+#: A checkpoint tensor -> (parameter name, tensor) pairs to copy; none: skip it.
+Convert = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+def load_checkpoint(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], arch: str, convert: Convert
+) -> None:
+    """Copy a checkpoint's tensors into `model` (each through `convert`); a tied head
+    (`model.lm_head is None`) skips `lm_head.weight`. Unknown names, wrong shapes and missing
+    weights raise (KeyError / ValueError), naming the tensor."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        for key, part in convert(name, tensor):
+            if key == "lm_head.weight" and getattr(model, "lm_head", None) is None:
+                continue  # tied to the embedding
+            copy_weight(params, key, part, arch, name)
+            loaded.add(key)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise KeyError(f"{arch}: weights missing from the checkpoint: {missing[:8]}")
 
 
 def config_int(arch: str, key: str, value: Any, low: int = 1) -> int:

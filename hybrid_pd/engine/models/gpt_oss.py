@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.common import RMSNorm, config_int, copy_weight
+from hybrid_pd.engine.models.common import RMSNorm, config_int, load_checkpoint
 from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings, rotate
 from hybrid_pd.engine.onednn import linear
 from hybrid_pd.engine.paged_attention import paged_attention
@@ -221,20 +221,16 @@ class GptOssForCausalLM(nn.Module):
         """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing weights
         raise (KeyError / ValueError), naming the tensor."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for key, tensor in weights:
+
+        def convert(key: str, tensor: torch.Tensor):
             if key.endswith(_QUANTIZED_SUFFIXES):
                 raise NotImplementedError(
                     f"{_ARCH}: {key!r} is MXFP4-quantized; the engine needs a checkpoint "
                     "with plain (bfloat16 / float32) expert weights"
                 )
-            if key == "lm_head.weight" and self.lm_head is None:
-                continue  # tied to the embedding
-            copy_weight(params, key, _our_layout(key, tensor, params.get(key)), _ARCH, key)
-            loaded.add(key)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise KeyError(f"{_ARCH}: weights missing from the checkpoint: {missing[:8]}")
+            return ((key, _our_layout(key, tensor, params.get(key))),)
+
+        load_checkpoint(self, weights, _ARCH, convert)
 
 
 def _our_layout(key: str, tensor: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
-from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, config_int, copy_weight
+from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, config_int, load_checkpoint
 from hybrid_pd.engine.models.mamba1 import Mamba1Dims, Mamba1Mixer, check_state_spec
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, LayerSpec, StateSpec
@@ -159,17 +159,7 @@ class JambaForCausalLM(nn.Module):
         """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing weights
         raise (KeyError / ValueError), naming the tensor. Fused expert tensors (transformers'
         in-memory ``experts.gate_up_proj`` / ``experts.down_proj``) are split per expert."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for key, tensor in weights:
-            if key == "lm_head.weight" and self.lm_head is None:
-                continue  # tied to the embedding
-            for name, part in _unfused(key, tensor):
-                copy_weight(params, name, part, _ARCH, key)
-                loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise KeyError(f"{_ARCH}: weights missing from the checkpoint: {missing[:8]}")
+        load_checkpoint(self, weights, _ARCH, _unfused)
 
 
 def _unfused(key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

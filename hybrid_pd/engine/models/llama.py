@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
+from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, load_checkpoint
 from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings, rotate
 from hybrid_pd.engine.onednn import PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
@@ -199,16 +199,8 @@ class DenseForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing
         weights raise (KeyError / ValueError), naming the tensor."""
-        name = self.family.name
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for key, tensor in weights:
-            if key.endswith(_IGNORED_SUFFIXES):
-                continue
-            if key == "lm_head.weight" and self.lm_head is None:
-                continue  # tied to the embedding
-            copy_weight(params, key, tensor, name, key)
-            loaded.add(key)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise KeyError(f"{name}: weights missing from the checkpoint: {missing[:8]}")
+
+        def convert(key: str, tensor: torch.Tensor):
+            return () if key.endswith(_IGNORED_SUFFIXES) else ((key, tensor),)
+
+        load_checkpoint(self, weights, self.family.name, convert)

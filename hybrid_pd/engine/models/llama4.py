@@ -44,7 +44,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, activation, config_int, copy_weight
+from hybrid_pd.engine.models.common import (
+    GatedMLP,
+    RMSNorm,
+    activation,
+    config_int,
+    load_checkpoint,
+)
 from hybrid_pd.engine.models.rope import inverse_frequencies, rope_settings
 from hybrid_pd.engine.onednn import linear
 from hybrid_pd.engine.paged_attention import paged_attention
@@ -307,22 +313,18 @@ class Llama4ForCausalLM(nn.Module):
         """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing weights
         raise (KeyError / ValueError), naming the tensor."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
+
+        def convert(name: str, tensor: torch.Tensor):
             if name.startswith(_IGNORED) or name.endswith(_IGNORED_SUFFIXES):
-                continue
+                return ()
             key = next(
                 (new + name[len(old) :] for old, new in _PREFIXES if name.startswith(old)), None
             )
             if key is None:
                 raise KeyError(f"{_ARCH}: unexpected weight {name!r}")
-            if key == "lm_head.weight" and self.lm_head is None:
-                continue  # tied to the embedding
-            copy_weight(params, key, _our_layout(name, key, tensor, params.get(key)), _ARCH, name)
-            loaded.add(key)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise KeyError(f"{_ARCH}: weights missing from the checkpoint: {missing[:8]}")
+            return ((key, _our_layout(name, key, tensor, params.get(key))),)
+
+        load_checkpoint(self, weights, _ARCH, convert)
 
 
 def _our_layout(name: str, key: str, tensor: torch.Tensor, param) -> torch.Tensor:
