@@ -110,3 +110,39 @@ def check_engine(ref: Reference, model, config, tokenizer) -> None:
     engine.kv.check_integrity()
     assert engine.kv.num_requests == 0
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks - 1
+
+
+def check_nan_pages(ref, model, config, monkeypatch) -> None:
+    """Staggered requests (fresh prompts, chunks and decodes in one step) over a pool full
+    of NaN bytes: finite logits; the batched decode rows equal the looped path and
+    transformers."""
+    from hybrid_pd.engine import paged_attention
+    from tests.engine.harness import staggered
+
+    prompts = [prompt(n, 70 + i) for i, n in enumerate((1, 9, 30, 5, 17))]
+    runner = PagedRunner(model, config)
+    runner.pool.buffer.fill_(0xFF)  # 0xFF bytes are NaN as any float
+    tokens, logits, mixed = staggered(runner, prompts, NEW)
+    assert mixed >= 5
+    assert torch.isfinite(logits).all()
+    monkeypatch.setattr(paged_attention, "MIN_DECODE_ROWS", 10**9)
+    loop_tokens, loop_logits, _ = staggered(PagedRunner(model, config), prompts, NEW)
+    assert (logits - loop_logits).abs().max().item() < TOL
+    assert tokens == loop_tokens == [ref(p)[1] for p in prompts]
+
+
+def check_prefix_hit_with_null_blocks(ref, model, config, local: str, full: str) -> None:
+    """A prefix hit past the reach of layer `local`'s window or chunk: its group's early
+    blocks are null in the hit, layer `full`'s are not; the hit request stays exact."""
+    runner = PagedRunner(model, config)
+    shared = prompt(120, 30)
+    first, second = [*shared, *prompt(9, 31)], [*shared, *prompt(14, 32)]
+    check_runner(ref, runner, [first])
+    hit = runner.mgr.find_prefix_hit(second)
+    assert hit.num_tokens >= 100
+    g_local = runner.config.group_of(local).group_id
+    g_full = runner.config.group_of(full).group_id
+    assert g_local != g_full
+    assert any(b.is_null for b in hit.blocks[g_local]), "unreachable blocks should be null"
+    assert not any(b.is_null for b in hit.blocks[g_full])
+    check_runner(ref, runner, [second], chunk=9)

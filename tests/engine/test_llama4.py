@@ -14,7 +14,6 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from transformers.models.llama4 import modeling_llama4  # noqa: E402
 
-from hybrid_pd.engine import paged_attention  # noqa: E402
 from hybrid_pd.engine.loader import load_model  # noqa: E402
 from hybrid_pd.engine.models import llama4  # noqa: E402
 from hybrid_pd.engine.models.common import GatedMLP  # noqa: E402
@@ -25,13 +24,14 @@ from hybrid_pd.kvcache.hf_configs import cache_spec_from_config  # noqa: E402
 from hybrid_pd.kvcache.reference_configs import REFERENCE_CONFIGS  # noqa: E402
 from hybrid_pd.kvcache.specs import ChunkedLocalSpec  # noqa: E402
 from tests import checkpoints  # noqa: E402
-from tests.engine.harness import PagedRunner, staggered  # noqa: E402
+from tests.engine.harness import PagedRunner  # noqa: E402
 from tests.engine.mamba2_parity import (  # noqa: E402
-    NEW,
     TOL,
     Reference,
     check_distinct,
     check_engine,
+    check_nan_pages,
+    check_prefix_hit_with_null_blocks,
     check_runner,
     prompt,
 )
@@ -152,35 +152,13 @@ def test_chunked_prefill_mixed_with_decode(l4, chunk):
 
 
 def test_mixed_steps_over_stale_nan_pages(l4, monkeypatch):
-    """Staggered requests (fresh prompts, chunks and decodes in one step) over a pool full of
-    NaN bytes; the batched decode rows equal the looped path and transformers."""
     model, config, _, ref, _ = l4
-    prompts = [prompt(n, 70 + i) for i, n in enumerate((1, 9, 30, 5, 17))]
-    runner = PagedRunner(model, config)
-    runner.pool.buffer.fill_(0xFF)  # 0xFF bytes are NaN as any float
-    tokens, logits, mixed = staggered(runner, prompts, NEW)
-    assert mixed >= 5
-    assert torch.isfinite(logits).all()
-    monkeypatch.setattr(paged_attention, "MIN_DECODE_ROWS", 10**9)
-    loop_tokens, loop_logits, _ = staggered(PagedRunner(model, config), prompts, NEW)
-    assert (logits - loop_logits).abs().max().item() < TOL
-    assert tokens == loop_tokens == [ref(p)[1] for p in prompts]
+    check_nan_pages(ref, model, config, monkeypatch)
 
 
 def test_prefix_cache_hit_with_null_chunk_blocks(l4):
     model, config, _, ref, _ = l4
-    runner = PagedRunner(model, config)
-    shared = prompt(120, 30)
-    first, second = [*shared, *prompt(9, 31)], [*shared, *prompt(14, 32)]
-    check_runner(ref, runner, [first])
-    hit = runner.mgr.find_prefix_hit(second)
-    assert hit.num_tokens >= 100
-    chunked = runner.config.group_of("model.layers.0").group_id
-    full = runner.config.group_of("model.layers.1").group_id
-    assert chunked != full
-    assert any(b.is_null for b in hit.blocks[chunked]), "past chunks' blocks should be null"
-    assert not any(b.is_null for b in hit.blocks[full])
-    check_runner(ref, runner, [second], chunk=9)
+    check_prefix_hit_with_null_blocks(ref, model, config, "model.layers.0", "model.layers.1")
 
 
 def test_engine_batched_chunked_with_prefix_hits(l4):
