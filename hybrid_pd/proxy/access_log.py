@@ -2,8 +2,8 @@
 when the response has ended (for a stream: when the stream ends).
 
     POST /v1/completions status=200 id=cmpl-3f9c... route=disaggregated prompt_tokens=15
-    output_tokens=12 ttft_ms=84.2 total_ms=411.9 prefill=10.0.0.5:50051
-    decode=10.0.0.6:50051 client=127.0.0.1
+    output_tokens=12 ttft_ms=84.2 total_ms=411.9 prefill=127.0.0.1:50051
+    decode=127.0.0.1:50052 client=127.0.0.1
 
 `prefill` / `decode`: the workers that served it (the last of each after a retry or a
 migration; several choices: each distinct one, comma-separated).

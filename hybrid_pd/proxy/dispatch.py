@@ -168,7 +168,7 @@ class Job:
                 continue
             call = prepare_prefill_request(self.rid, self.prompt_ids, self.params, attempt)
             attempt += 1
-            d.pool.note_tokens(worker, self.prompt_ids)
+            await asyncio.to_thread(d.pool.note_tokens, worker, self.prompt_ids)
             self.prefill_worker = worker.address
             future = worker.client.prefill_future(
                 call.request_id, call.prompt_ids, call.sampling, d.config.prefill_timeout_s
@@ -246,13 +246,13 @@ class Job:
                 output_ids=() if prefill is not None else self.produced,
             )
             attempt += 1
-            d.pool.note_tokens(worker, self.prompt_ids)
+            await asyncio.to_thread(d.pool.note_tokens, worker, self.prompt_ids)
             self.decode_worker = worker.address
             try:
                 async for event in self._decode_leg(worker, call, prefill is not None):
                     yield event
                 # What it computed stays in its prefix cache: the next turn's prefix.
-                d.pool.note_tokens(worker, self.prompt_ids + self.produced)
+                await asyncio.to_thread(d.pool.note_tokens, worker, self.prompt_ids + self.produced)
                 return
             except _Migrate as e:
                 self.migrations += 1
