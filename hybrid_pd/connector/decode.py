@@ -96,6 +96,18 @@ class DecodeConnector:
         self._control = ThreadPoolExecutor(1, thread_name_prefix="kv-control")
         self._finished: list[LoadResult] = []
 
+    def _count(self, **deltas: float) -> None:
+        """Add to the counters together: pull threads run side by side, and a reader
+        (`stats_snapshot`) must never see a pull counted without its bytes."""
+        with self._lock:
+            for k, v in deltas.items():
+                self.stats[k] += v
+
+    def stats_snapshot(self) -> dict:
+        """A consistent copy of `stats`."""
+        with self._lock:
+            return dict(self.stats)
+
     # -- worker side (ConnectorWorker) ------------------------------------------------------
     def start_load_kv(
         self,
@@ -118,7 +130,8 @@ class DecodeConnector:
             logger.exception("KV pull for %s failed", request_id)
             res = LoadResult(request_id, f"{type(e).__name__}: {e}")
         if res.error is not None:
-            self.stats["last_error"] = res.error
+            with self._lock:
+                self.stats["last_error"] = res.error
             logger.warning("KV pull for %s failed: %s", request_id, res.error)
             if params.control_address in self.known_peers:
                 self.abort_later(params)  # the prefill worker frees it now, not at expiry
@@ -266,22 +279,24 @@ class DecodeConnector:
         except grpc.RpcError as e:
             handle.cancel()
             self.forget_peer(params.control_address)
-            self.stats["failed"] += 1
+            self._count(failed=1)
             raise TransferFailed(
                 f"prefill worker {params.control_address} failed during the pull: {_rpc_error(e)}"
             ) from e
         except Exception:
             handle.cancel()
-            self.stats["failed"] += 1
+            self._count(failed=1)
             raise
         stats = TransferStats(reply.bytes, reply.messages, time.perf_counter() - t0)
         if release:
             self._release(peer, params)
-        self.stats["pulls"] += 1
-        self.stats["held_blocks"] += sum(skip)
-        self.stats["bytes"] += stats.bytes
-        self.stats["messages"] += stats.messages
-        self.stats["seconds"] += stats.seconds
+        self._count(
+            pulls=1,
+            held_blocks=sum(skip),
+            bytes=stats.bytes,
+            messages=stats.messages,
+            seconds=stats.seconds,
+        )
         return stats
 
     def _release(self, peer: _Peer, params: KVTransferParams) -> None:

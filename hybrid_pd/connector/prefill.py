@@ -230,6 +230,11 @@ class PrefillConnector:
             self.stats["messages_sent"] += len(regions)
         return PullResult(nbytes, len(regions))
 
+    def stats_snapshot(self) -> dict:
+        """A consistent copy of `stats`."""
+        with self._lock:
+            return dict(self.stats)
+
     def release(self, request_id: str, token: str, reason: str = "released") -> None:
         with self._lock:
             if (

@@ -720,7 +720,7 @@ class _WorkerHalf:
     def totals(self) -> dict[str, float]:
         out = dict.fromkeys(COUNTERS, 0)
         if self.decode is not None:
-            st = self.decode.stats
+            st = self.decode.stats_snapshot()
             out.update(
                 pulls=st["pulls"],
                 pull_failures=self._load_failures,
@@ -729,7 +729,7 @@ class _WorkerHalf:
                 pull_seconds=st["seconds"],
             )
         if self.prefill is not None:
-            st = self.prefill.stats
+            st = self.prefill.stats_snapshot()
             out.update(
                 handed_over=st["handed_over"],
                 pulled_from=st["pulled"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,10 @@ TCMALLOC = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
     "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
 )
+
+
+# "RuntimeError: ...", "torch.OutOfMemoryError: ...", behind any process prefix vLLM adds.
+_EXCEPTION_LINE = re.compile(r"(^|[\s)\]])([\w.]+(Error|Exception|Interrupt)): ")
 
 
 def free_port() -> int:
@@ -80,12 +85,10 @@ class Server:
         """`role` + `extra`: hybrid-pd's connector; `kv_transfer_config`: any connector.
         `cpus`: VLLM_CPU_OMP_THREADS_BIND, the CPUs this server computes on. `python`: the
         interpreter that has vLLM (default: this one)."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         args = [
             python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--model", str(model), "--host", "127.0.0.1",
             "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024",
             "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
             "--uvicorn-log-level", "warning",
@@ -106,9 +109,20 @@ class Server:
                 full_env["LD_PRELOAD"] = lib
                 break
         full_env.update(env or {})
+        self._args, self._env = args, full_env
         self._out = open(log, "w")  # closed in stop()
+        self._log_from = 0  # where this start's lines begin in the log (characters)
+        self._launch()
+
+    def _launch(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            args, stdout=self._out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+            [*self._args, "--port", str(self.port)],
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            env=self._env,
+            start_new_session=True,
         )
         self.client = httpx.Client(base_url=self.url, timeout=120.0)
 
@@ -116,7 +130,10 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}):\n{self.tail()}")
+                raise RuntimeError(
+                    f"vLLM server exited ({self.proc.returncode}):\n{self.first_error()}"
+                    f"\n--- last lines ---\n{self.tail()}"
+                )
             try:
                 if self.client.get("/health", timeout=2.0).status_code == 200:
                     return
@@ -124,6 +141,34 @@ class Server:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"vLLM server not ready after {timeout} s:\n{self.tail()}")
+
+    def first_error(self, limit: int = 40) -> str:
+        """The log's first traceback, up to its exception line: the root cause, which vLLM
+        prints in the engine process long before the API server's own traceback ends the
+        log."""
+        self._out.flush()
+        lines = self.log.read_text(errors="replace")[self._log_from :].splitlines()
+        start = next((i for i, line in enumerate(lines) if "Traceback" in line), None)
+        if start is None:
+            return "(no traceback in the log)"
+        end = next(
+            (i for i in range(start + 1, len(lines)) if _EXCEPTION_LINE.search(lines[i])),
+            len(lines) - 1,
+        )
+        shown = lines[start : end + 1]
+        if len(shown) > limit:
+            shown = [*shown[:5], "...", *shown[-(limit - 6) :]]
+        return "\n".join(shown)
+
+    def restart(self) -> None:
+        """Stop the server and start it again with the same arguments (a new HTTP port);
+        its log goes on in the same file."""
+        self._kill()
+        self.client.close()
+        self._out.write("\n=== restarted ===\n")
+        self._out.flush()
+        self._log_from = len(self.log.read_text(errors="replace"))
+        self._launch()
 
     def tail(self, n: int = 40) -> str:
         self._out.flush()
@@ -174,6 +219,11 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
+        self._kill()
+        self.client.close()
+        self._out.close()
+
+    def _kill(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGCONT)  # a paused server cannot exit
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -182,5 +232,16 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
-        self.client.close()
-        self._out.close()
+
+
+def start_all(servers, timeout: float = 300.0) -> None:
+    """Wait for every server to be ready; one that exits while starting is started once
+    more (its first error is printed), a second exit raises. vLLM's engine start binds
+    ports picked by probing, which a process starting beside it can take first."""
+    for server in servers:
+        try:
+            server.wait_ready(timeout)
+        except RuntimeError as e:
+            print(f"{server.log.name}: restarting after a failed start: {e}", file=sys.stderr)
+            server.restart()
+            server.wait_ready(timeout)

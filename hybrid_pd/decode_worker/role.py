@@ -91,7 +91,7 @@ class DecodeRole:
 
     def stats(self) -> dict:
         return {
-            "decode_connector": dict(self.connector.stats),
+            "decode_connector": self.connector.stats_snapshot(),
             "peers": self.connector.known_peers,
         }
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.connector.vllm_servers import Server, cpu_halves, free_port
+from hybrid_pd.connector.vllm_servers import Server, cpu_halves, free_port, start_all
 
 CONNECTORS = ("hybrid-pd", "nixl")
 
@@ -101,8 +101,7 @@ class _Pair:
         )
 
     def wait_ready(self) -> None:
-        self.prefill.wait_ready()
-        self.decode.wait_ready()
+        start_all([self.prefill, self.decode])
 
     def stop(self) -> None:
         self.prefill.stop()

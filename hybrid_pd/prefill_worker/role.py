@@ -62,7 +62,7 @@ class PrefillRole:
     def stats(self) -> dict:
         return {
             "leases": self.connector.num_leases,
-            "prefill_connector": dict(self.connector.stats),
+            "prefill_connector": self.connector.stats_snapshot(),
         }
 
     def close(self) -> None:

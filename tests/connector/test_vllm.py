@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from hybrid_pd.connector.vllm_servers import Server, start_all
+
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("HYBRID_PD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
@@ -35,7 +37,7 @@ def test_vllm_servers_with_hybrid_pd_connector():
             pytest.fail(f"HYBRID_PD_REQUIRE_VLLM=1 but {VLLM_PYTHON} cannot import vllm")
         pytest.skip(f"no vLLM environment at {VLLM_PYTHON} (see docs/vllm.md)")
     out = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+        [str(VLLM_PYTHON), "-m", "pytest", "-q", "-rfEs", "--tb=short", "-p", "no:cacheprovider",
          "tests/vllm_connector"],
         cwd=ROOT,
         capture_output=True,
@@ -43,9 +45,41 @@ def test_vllm_servers_with_hybrid_pd_connector():
         timeout=1400,
     )  # fmt: skip
     log = out.stdout + out.stderr
-    tail = log[-6000:]
+    # The first failure's report (its root cause) and the summary at the end.
+    starts = (log.find("= ERRORS ="), log.find("= FAILURES ="))
+    first = min((i for i in starts if i >= 0), default=-1)
+    tail = (log[first : first + 8000] + "\n[...]\n" if first >= 0 else "") + log[-3000:]
     assert out.returncode == 0, tail
     summary = log.strip().splitlines()[-1]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", summary)}
     assert counts.get("passed", 0) >= 20, tail
     assert not counts.get("skipped") and not counts.get("failed"), tail
+
+
+def test_a_server_that_fails_to_start_is_started_once_more_and_its_root_cause_named(tmp_path):
+    """start_all: a server exiting while it starts gets one more start; a second exit raises
+    with the first traceback of that start (vLLM's engine process prints the cause long
+    before the API server's own traceback ends the log)."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'echo "(EngineCore pid=1) ERROR Traceback (most recent call last):"\n'
+        'echo "(EngineCore pid=1) ERROR   File \\"core.py\\", line 1"\n'
+        'echo "(EngineCore pid=1) ERROR OSError: [Errno 98] Address already in use"\n'
+        'echo "Traceback (most recent call last):"\n'
+        'echo "RuntimeError: Engine core initialization failed."\n'
+        "exit 1\n"
+    )
+    fake.chmod(0o755)
+    server = Server(tmp_path / "model", tmp_path / "server.log", python=str(fake))
+    try:
+        with pytest.raises(RuntimeError) as err:
+            start_all([server], timeout=30)
+    finally:
+        server.stop()
+    message = str(err.value)
+    assert "vLLM server exited (1)" in message
+    first = message.split("--- last lines ---")[0]
+    assert "OSError: [Errno 98] Address already in use" in first
+    assert "Engine core initialization failed" not in first
+    assert (tmp_path / "server.log").read_text().count("=== restarted ===") == 1

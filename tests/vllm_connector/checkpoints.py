@@ -68,6 +68,8 @@ def qwen3_5(folder: Path) -> Path:
                 "linear_value_head_dim": 64,
                 "linear_num_key_heads": 1,
                 "linear_num_value_heads": 2,
+                # as Qwen3.5's published checkpoints: vLLM keeps the recurrent state in float32
+                "mamba_ssm_dtype": "float32",
                 "bos_token_id": None,
                 "eos_token_id": None,
                 "pad_token_id": None,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hybrid_pd.connector.vllm_servers import Server, cpu_halves
+from hybrid_pd.connector.vllm_servers import Server, cpu_halves, start_all
 from tests.vllm_connector import checkpoints
 from tests.vllm_connector.test_servers import _body, _prompts
 
@@ -55,7 +55,7 @@ def test_hybrid_pd_prefill_to_vllm_decode_is_refused_with_the_reason(tmp_path):
         cpus=cpu_halves()[1],
     )
     try:
-        decode.wait_ready()
+        start_all([decode])
         served = decode.client.get("/v1/models").json()["data"][0]["id"]
         prompt = _prompts(3, seed=21)[2]
         body = {**_body(prompt, 8), "model": served}
@@ -119,7 +119,7 @@ def test_vllm_prefill_to_hybrid_pd_decode_recomputes_and_names_the_reason(tmp_pa
         )
     )
     try:
-        prefill.wait_ready()
+        start_all([prefill])
         served = prefill.client.get("/v1/models").json()["data"][0]["id"]
         prompt = _prompts(3, seed=22)[2]
         body = {**_body(prompt, 1, {"do_remote_decode": True}), "model": served}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_pd.connector.vllm_servers import Server, cpu_halves, free_port
+from hybrid_pd.connector.vllm_servers import Server, cpu_halves, free_port, start_all
 from tests.vllm_connector import checkpoints
 
 pytestmark = pytest.mark.slow
@@ -130,8 +130,7 @@ def pd(request, tmp_path_factory):
     )
     servers = (prefill, zeros, decode)
     try:
-        for server in servers:
-            server.wait_ready()
+        start_all(servers)
         yield PD(prefill, decode, zeros, dtype, secret.read_text(), model)
     finally:
         for server in servers:
@@ -387,14 +386,15 @@ def _minimum_bytes(model: Path, dtype: str, prompt_len: int, block_size: int) ->
     """What decode cannot do without, from the checkpoint's config alone: every full
     attention layer's blocks of the prompt, a sliding layer's blocks holding the window
     the next token attends to (positions N - window + 1 .. N - 1), one state per Mamba2 or
-    Gated DeltaNet layer (conv inputs in the serving dtype; the SSM state in float32, as
-    vLLM keeps it for these checkpoints)."""
+    Gated DeltaNet layer (conv inputs in the serving dtype; the SSM state in the config's
+    `mamba_ssm_dtype`, else the serving dtype: vLLM 0.32's "auto")."""
     cfg = json.loads((model / "config.json").read_text())
     cfg = cfg.get("text_config") or cfg
     size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     n = prompt_len
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     per_block = block_size * 2 * cfg["num_key_value_heads"] * head_dim * size
+    ssm = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.get("mamba_ssm_dtype") or dtype]
     total = 0
     for kind in cfg["layer_types"]:
         if kind in ("full_attention", "attention"):
@@ -405,12 +405,12 @@ def _minimum_bytes(model: Path, dtype: str, prompt_len: int, block_size: int) ->
         elif cfg["model_type"] == "granitemoehybrid":  # Mamba2 ("mamba" or linear_attention)
             heads, d_head, state = cfg["mamba_n_heads"], cfg["mamba_d_head"], cfg["mamba_d_state"]
             conv_dim = heads * d_head + 2 * cfg["mamba_n_groups"] * state
-            total += conv_dim * (cfg["mamba_d_conv"] - 1) * size + heads * d_head * state * 4
+            total += conv_dim * (cfg["mamba_d_conv"] - 1) * size + heads * d_head * state * ssm
         elif kind == "linear_attention":  # Gated DeltaNet
             dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
             kh, vh = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
             conv_dim = 2 * kh * dk + vh * dv
-            total += conv_dim * (cfg["linear_conv_kernel_dim"] - 1) * size + vh * dk * dv * 4
+            total += conv_dim * (cfg["linear_conv_kernel_dim"] - 1) * size + vh * dk * dv * ssm
         else:
             raise AssertionError(f"no byte rule for layer kind {kind!r}")
     return total
