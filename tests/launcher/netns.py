@@ -73,6 +73,17 @@ class NetnsHosts:
     def cmd(self, name: str, *argv: str) -> list[str]:
         return ["ip", "netns", "exec", self.ns[name], *argv]
 
+    def run_checked(self, name: str, *argv: str, env: dict, timeout: float = 180) -> None:
+        """Run `argv` on host `name`; a failure raises with the command's own stderr."""
+        done = subprocess.run(
+            self.cmd(name, *argv), capture_output=True, text=True, timeout=timeout, env=env
+        )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"on {name}: {' '.join(argv[:3])} ... exited {done.returncode}:\n"
+                f"{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
+            )
+
     def pids(self) -> list[int]:
         """Every process living in one of this object's namespaces (and only those)."""
         out = []

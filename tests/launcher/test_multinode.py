@@ -62,20 +62,14 @@ def test_multinode_cluster_50_concurrent_requests(tmp_path):
             ),
         ]
         for name, extra in starts:
-            subprocess.run(
-                hosts.cmd(
-                    name,
-                    ray_bin,
-                    "start",
-                    "--node-ip-address",
-                    hosts.ip[name],
-                    "--disable-usage-stats",
-                    *extra,
-                ),
-                check=True,
-                capture_output=True,
-                text=True,
-                timeout=180,
+            hosts.run_checked(
+                name,
+                ray_bin,
+                "start",
+                "--node-ip-address",
+                hosts.ip[name],
+                "--disable-usage-stats",
+                *extra,
                 env=env,
             )
         proc = subprocess.run(

@@ -48,10 +48,9 @@ def test_vllm_pools_on_a_cluster(tmp_path):
         ]  # fmt: skip
         for name, cpu, extra in starts:
             # A host's CPUs: the vLLM server on the node binds what its node gives it.
-            subprocess.run(
-                hosts.cmd(name, "taskset", "-c", str(cpu), ray_bin, "start", "--node-ip-address",
-                          hosts.ip[name], "--disable-usage-stats", *extra),
-                check=True, capture_output=True, text=True, timeout=180, env=env,
+            hosts.run_checked(
+                name, "taskset", "-c", str(cpu), ray_bin, "start", "--node-ip-address",
+                hosts.ip[name], "--disable-usage-stats", *extra, env=env,
             )  # fmt: skip
         proc = subprocess.run(
             hosts.cmd("head", sys.executable, "-m", "tests.vllm_connector.multinode_scenario",
