@@ -128,8 +128,8 @@ def _ssd_packed(x, dt, a_coef, b, c, chunk: int, h0, offsets: list[int], lengths
     # have dt = 0: no decay and no input, so padding leaves the scan unchanged)
     log_a = dt * a_coef
     rows = torch.cat([(x * dt[..., None]).flatten(1), log_a, b.flatten(1), c.flatten(1)], dim=1)
-    simple = seqs == 1 and offsets[0] == 0 and lengths[0] == nc * chunk
-    if simple:
+    simple = not any(offsets) and all(length % chunk == 0 for length in lengths)
+    if simple:  # whole chunks already
         padded = rows
         where = None
     else:
@@ -182,7 +182,7 @@ def _ssd_packed(x, dt, a_coef, b, c, chunk: int, h0, offsets: list[int], lengths
 
     # the state each chunk starts from, all sequences stepping together
     most = max(counts)
-    if simple or len(set(counts)) == 1:
+    if len(set(counts)) == 1:
         added_s = added.view(seqs, most, heads, hd, n)
         whole_s = whole.view(seqs, most, heads)
         pick = None
@@ -205,11 +205,14 @@ def _ssd_packed(x, dt, a_coef, b, c, chunk: int, h0, offsets: list[int], lengths
 
     # contribution of the state each chunk starts from, scaled by the decay from the chunk's
     # start to each token
-    from_start = torch.exp(prefix.float())  # [nc, H, Q(l)]
-    st = start.view(nc, groups, per, hd, n).transpose(-1, -2)  # [nc, G, per, N, P]
-    ys = torch.matmul(cq[:, :, None], st).view(nc, heads, chunk, hd)  # [nc, H, Q(l), P]
-    y.addcmul_(ys, from_start[..., None])
-    y = y.transpose(1, 2).reshape(nc * chunk, heads, hd)
+    from_start = torch.exp(prefix.float()).transpose(1, 2)  # [nc, Q(l), H]
+    st = start.view(nc, groups, per * hd, n).transpose(-1, -2)  # [nc, G, N, per * P]
+    ys = torch.matmul(cq, st).transpose(1, 2)  # [nc, Q(l), G, per * P]
+    out = torch.empty(nc, chunk, heads, hd, device=dev)
+    torch.addcmul(
+        y.transpose(1, 2), ys.unflatten(-1, (per, hd)).flatten(2, 3), from_start[..., None], out=out
+    )
+    y = out.view(nc * chunk, heads, hd)
     if where is not None:
         y = y[where]
     return y, state
@@ -347,23 +350,32 @@ class Mamba2Mixer(nn.Module):
         states = [read_state(self.name, batch, seq) for seq in seqs]
         k1 = self.conv1d.weight.shape[-1] - 1
         dev = xbc.device
-        # [K-1 previous inputs | new inputs] of each sequence, side by side: [C, sum(K-1+L)]
+        # [K-1 previous inputs | new inputs] of each sequence, one after another: [sum(K-1+L), C]
+        # in float32 (exact for the inputs, and the conv sums in float32 whatever their dtype)
         parts, ends = [], []
         for seq, (conv_state, _) in zip(seqs, states, strict=True):
-            parts += [conv_state.to(xbc.dtype), xbc[seq.start : seq.end].t()]
+            parts += [conv_state.t(), xbc[seq.start : seq.end]]
             ends.append((ends[-1] if ends else 0) + k1 + seq.num_new)
-        window = torch.cat(parts, dim=1)
-        # output column j covers window columns j .. j+K-1, so a sequence's outputs start at
-        # its window's first column; the K-1 columns spanning two windows are dropped
-        conv = F.conv1d(window[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        window = torch.cat(parts).float()
+        # the depthwise causal conv as K shifted multiply-adds on token-major rows: output row
+        # j covers window rows j .. j+K-1, so a sequence's outputs start at its window's first
+        # row; the K-1 rows spanning two windows are dropped
+        weight = self.conv1d.weight[:, 0].float().t()  # [K, C]
+        span = window.shape[0] - k1
+        if self.conv1d.bias is not None:
+            conv = torch.addcmul(self.conv1d.bias.float(), window[:span], weight[0])
+        else:
+            conv = window[:span] * weight[0]
+        for k in range(1, k1 + 1):
+            conv.addcmul_(window[k : k + span], weight[k])
         lengths = [seq.num_new for seq in seqs]
         lens = torch.tensor(lengths, device=dev)
         firsts = torch.tensor(ends, device=dev) - k1 - lens
         total = sum(lengths)
-        cols = torch.arange(total, device=dev) + (
+        picks = torch.arange(total, device=dev) + (
             firsts - (lens.cumsum(0) - lens)
         ).repeat_interleave(lens, output_size=total)
-        act = self.act(conv[0]).t().index_select(0, cols).float()  # [T', C]
+        act = self.act(conv.index_select(0, picks))  # [T', C]
         gn = self.groups * self.state
         x, b, c = act.split([self.inner, gn, gn], dim=-1)
         x = x.view(total, self.heads, self.head_dim)
@@ -381,7 +393,7 @@ class Mamba2Mixer(nn.Module):
         out.addcmul_(x, self.D.float()[:, None])
         y[rows] = out.reshape(total, self.inner)
         for i, (seq, (conv_state, ssm_state)) in enumerate(zip(seqs, states, strict=True)):
-            new_conv = window[:, ends[i] - k1 : ends[i]].to(conv_state.dtype)
+            new_conv = window[ends[i] - k1 : ends[i]].t().to(conv_state.dtype)
             write_state(self.name, batch, seq, [new_conv, h1[i].to(ssm_state.dtype)])
 
 
