@@ -124,15 +124,13 @@ def _ssd_packed(x, dt, a_coef, b, c, chunk: int, h0, offsets: list[int], lengths
     nc = sum(counts)
     dev = x.device
 
-    # one row per token: [x * dt | log_a | B | C], scattered into the padded chunks (zero rows
-    # have dt = 0: no decay and no input, so padding leaves the scan unchanged)
-    log_a = dt * a_coef
-    rows = torch.cat([(x * dt[..., None]).flatten(1), log_a, b.flatten(1), c.flatten(1)], dim=1)
-    simple = not any(offsets) and all(length % chunk == 0 for length in lengths)
-    if simple:  # whole chunks already
-        padded = rows
-        where = None
+    xdt, log_a = x * dt[..., None], dt * a_coef
+    if not any(offsets) and all(length % chunk == 0 for length in lengths):
+        where = None  # whole chunks already
     else:
+        # one row per token, [x * dt | log_a | B | C], scattered into the padded chunks (zero
+        # rows have dt = 0: no decay and no input, so padding leaves the scan unchanged)
+        rows = torch.cat([xdt.flatten(1), log_a, b.flatten(1), c.flatten(1)], dim=1)
         first, starts = [], 0
         for o, count in zip(offsets, counts, strict=True):
             first.append(starts * chunk + o)
@@ -141,11 +139,11 @@ def _ssd_packed(x, dt, a_coef, b, c, chunk: int, h0, offsets: list[int], lengths
         shift = torch.tensor(first, device=dev) - (lens.cumsum(0) - lens)
         where = torch.arange(total, device=dev) + shift.repeat_interleave(lens, output_size=total)
         padded = rows.new_zeros(nc * chunk, rows.shape[1]).index_copy_(0, where, rows)
-    padded = padded.view(nc, chunk, -1)
-    xdt, log_a, bq, cq = padded.split([heads * hd, heads, groups * n, groups * n], dim=-1)
-    xdt = xdt.unflatten(-1, (heads, hd))  # [nc, Q, H, P]
-    bq = bq.unflatten(-1, (groups, n)).transpose(1, 2)  # [nc, G, Q, N]
-    cq = cq.unflatten(-1, (groups, n)).transpose(1, 2)
+        xdt, log_a, b, c = padded.split([heads * hd, heads, groups * n, groups * n], dim=-1)
+    xdt = xdt.reshape(nc, chunk, heads, hd)  # [nc, Q, H, P]
+    log_a = log_a.reshape(nc, chunk, heads)
+    bq = b.reshape(nc, chunk, groups, n).transpose(1, 2)  # [nc, G, Q, N]
+    cq = c.reshape(nc, chunk, groups, n).transpose(1, 2)
 
     # seg[c, h, s, l] = sum of log_a over s < k <= l, as a difference of float64 prefix sums.
     # A float64 sum of a chunk of float32 terms is exact unless their magnitudes span more than
