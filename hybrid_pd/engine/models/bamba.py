@@ -12,7 +12,7 @@ RMS norms apply their weight after the cast back, as transformers' BambaRMSNorm.
 Attention: GQA with softmax scale head_dim^-0.5 and RoPE on the first half of each head only:
 transformers hard-codes ``partial_rotary_factor`` 0.5 for Bamba (a value inside
 ``rope_parameters`` wins; a top-level one is overridden). The Mamba2 mixer uses ``hidden_act``
-after its conv, ``mamba_chunk_size`` chunks and ``time_step_limit``.
+after its conv, scan chunks of at most ``mamba_chunk_size`` tokens and ``time_step_limit``.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ scaled by ``residual_multiplier``. Embeddings are scaled by ``embedding_multipli
 uses ``attention_multiplier`` as its softmax scale, logits are divided by ``logits_scaling``,
 and attention applies RoPE only when ``position_embedding_type == "rope"``.
 
-The Mamba2 mixer is `mamba2.Mamba2Mixer` (shared with Bamba and Nemotron-H), with chunks of
-``mamba_chunk_size`` tokens and ``time_step_limit`` applied in both the chunked and the
-recurrent form.
+The Mamba2 mixer is `mamba2.Mamba2Mixer` (shared with Bamba and Nemotron-H), with scan chunks
+of at most ``mamba_chunk_size`` tokens and ``time_step_limit`` applied in both the chunked and
+the recurrent form.
 """
 
 from __future__ import annotations

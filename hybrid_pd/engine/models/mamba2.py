@@ -7,8 +7,10 @@ Per sequence, with the per-layer state [conv_state [conv_dim, K-1], ssm [H, P, N
   h uses group h // (H / G)); dt = clamp(softplus(dt + dt_bias), time-step limit);
   A = -exp(A_log); h_t = exp(dt A) h_{t-1} + dt x_t B_t^T, y_t = h_t C_t + D x_t; then
   y * silu(z) goes through a per-group RMSNorm (norm after the gate) and out_proj. Several new
-  tokens use the chunked SSD form with chunks of `chunk` tokens aligned to absolute positions,
-  so a prefill split across steps uses the same chunk boundaries as one pass; one new token
+  tokens use the chunked SSD form with chunks of min(`chunk`, SCAN_CHUNK) tokens aligned to
+  absolute positions, so a prefill split across steps uses the same chunk boundaries as one
+  pass (the chunk size changes only float rounding); all sequences of a step that add several
+  tokens go through one causal conv and one scan over all their chunks together; one new token
   uses the recurrence, and a batch's one-token sequences take it together on stacked states
   (one gather from the pool, one scatter back). The time-step limit is applied in both forms
   (transformers' torch decode path skips it; it matters only where softplus(dt + dt_bias)
@@ -20,6 +22,7 @@ The SSM math runs in float32; the state page keeps its own dtype (Nemotron-H's f
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -87,64 +90,129 @@ class Mamba2Dims:
 
 # float32 exp rounds to exactly 0 below this (the smallest denormal is exp(-103.28)).
 _EXP_ZERO = -104.0
+# Longest stretch of tokens the scan mixes through its [Q, Q] decay matrices. Its [Q, Q] work
+# grows with Q while the per-chunk state work does not, so on CPU the scan is fastest with
+# chunks shorter than the checkpoints' 128-256 (the chunk size changes only float rounding).
+SCAN_CHUNK = 64
 
 
 def _ssd_chunked(x, dt, a_coef, b, c, chunk: int, h0: torch.Tensor, offset: int):
-    """Chunked SSD scan of one sequence (float32).
+    """Chunked SSD scan of one sequence (float32): `_ssd_packed` with one sequence.
 
-    x [L, H, P], dt [L, H], a_coef [H] (negative), b/c [L, H, N], h0 [H, P, N]. The first token
-    sits at `offset` within its chunk. Returns y [L, H, P] (no D term) and the final state.
+    x [L, H, P], dt [L, H], a_coef [H] (negative), b/c [L, G, N] (G divides H), h0 [H, P, N].
+    The first token sits at `offset` within its chunk. Returns y [L, H, P] (no D term) and
+    the final state.
     """
-    length, heads, hd = x.shape
-    tail = (-(offset + length)) % chunk
-    nc = (offset + length + tail) // chunk
+    y, state = _ssd_packed(x, dt, a_coef, b, c, chunk, h0[None], [offset], [x.shape[0]])
+    return y, state[0]
 
-    def chunks(t: torch.Tensor) -> torch.Tensor:
-        # zero rows have dt = 0: no decay and no input, so padding leaves the scan unchanged
-        padded = F.pad(t, (0, 0) * (t.dim() - 1) + (offset, tail))
-        return padded.reshape(nc, chunk, *t.shape[1:])
 
-    xdt = chunks(x * dt[..., None])  # [nc, Q, H, P]
-    log_a = chunks(dt * a_coef)  # [nc, Q, H]
-    bq, cq = chunks(b), chunks(c)  # [nc, Q, H, N]
+def _ssd_packed(x, dt, a_coef, b, c, chunk: int, h0, offsets: list[int], lengths: list[int]):
+    """Chunked SSD scan of S sequences packed one after another (float32).
 
+    x [T, H, P], dt [T, H], a_coef [H] (negative), b/c [T, G, N] with head h reading group
+    h // (H / G), h0 [S, H, P, N]; sequence i has lengths[i] tokens, the first of them at
+    offsets[i] within its chunk. Every sequence is padded to whole chunks and all chunks go
+    through one set of batched ops. Returns y [T, H, P] (no D term) and the final states
+    [S, H, P, N].
+    """
+    total, heads, hd = x.shape
+    groups, n = b.shape[1:]
+    per = heads // groups
+    seqs = len(lengths)
+    counts = [-(-(o + length) // chunk) for o, length in zip(offsets, lengths, strict=True)]
+    nc = sum(counts)
     dev = x.device
+
+    xdt, log_a = x * dt[..., None], dt * a_coef
+    if not any(offsets) and all(length % chunk == 0 for length in lengths):
+        where = None  # whole chunks already
+    else:
+        # one row per token, [x * dt | log_a | B | C], scattered into the padded chunks (zero
+        # rows have dt = 0: no decay and no input, so padding leaves the scan unchanged)
+        rows = torch.cat([xdt.flatten(1), log_a, b.flatten(1), c.flatten(1)], dim=1)
+        first, starts = [], 0
+        for o, count in zip(offsets, counts, strict=True):
+            first.append(starts * chunk + o)
+            starts += count
+        lens = torch.tensor(lengths, device=dev)
+        shift = torch.tensor(first, device=dev) - (lens.cumsum(0) - lens)
+        where = torch.arange(total, device=dev) + shift.repeat_interleave(lens, output_size=total)
+        padded = rows.new_zeros(nc * chunk, rows.shape[1]).index_copy_(0, where, rows)
+        xdt, log_a, b, c = padded.split([heads * hd, heads, groups * n, groups * n], dim=-1)
+    xdt = xdt.reshape(nc, chunk, heads, hd)  # [nc, Q, H, P]
+    log_a = log_a.reshape(nc, chunk, heads)
+    bq = b.reshape(nc, chunk, groups, n).transpose(1, 2)  # [nc, G, Q, N]
+    cq = c.reshape(nc, chunk, groups, n).transpose(1, 2)
+
     # seg[c, h, s, l] = sum of log_a over s < k <= l, as a difference of float64 prefix sums.
     # A float64 sum of a chunk of float32 terms is exact unless their magnitudes span more than
     # ~2^20, so after the cast this matches summing each segment on its own (transformers'
     # masked cumulative sum, which accumulates in float64 on CPU too) without its [Q, Q]
-    # cumulative sum. Everything [Q, Q] below keeps this [c, h, s, l] layout so the
-    # elementwise work runs on contiguous memory.
+    # cumulative sum. The subtraction writes float32 directly (computed in float64, rounded
+    # once). Everything [Q, Q] below keeps this [c, h, s, l] layout so the elementwise work
+    # runs on contiguous memory.
     prefix = log_a.double().cumsum(dim=1).transpose(1, 2)  # [nc, H, Q]
-    seg = (prefix[:, :, None, :] - prefix[:, :, :, None]).to(log_a.dtype)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu()  # [s, l]: l >= s
+    seg = torch.empty(nc, heads, chunk, chunk, device=dev)
+    torch.sub(prefix[:, :, None, :], prefix[:, :, :, None], out=seg)
     # exp is 5-10x slower on arguments whose result is denormal or zero (-inf included), and
     # strong decays make many; those below _EXP_ZERO give exactly 0, so they are set to 0
-    # directly and exp sees 0 there instead.
-    dead = seg.masked_fill_(~causal, -math.inf) < _EXP_ZERO
+    # directly and exp sees 0 there instead. One comparison finds them and the non-causal
+    # entries (l < s) together: the bound is +inf there.
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu_()  # [s, l]: l >= s
+    bound = torch.full((chunk, chunk), math.inf, device=dev).masked_fill_(causal, _EXP_ZERO)
+    dead = seg < bound
     decay = seg.masked_fill_(dead, 0.0).exp_().masked_fill_(dead, 0.0)  # [nc, H, Q(s), Q(l)]
+    # decay from s to the chunk's end, kept before the weights overwrite `decay`
+    to_end = decay[..., -1].transpose(1, 2).clone()  # [nc, Q(s), H]
 
-    # within a chunk: attention-like mixing with the decay as mask
-    bh, ch, xh = (t.transpose(1, 2) for t in (bq, cq, xdt))  # [nc, H, Q, N or P]
-    weights = torch.matmul(bh, ch.transpose(-1, -2)).mul_(decay)  # [nc, H, Q(s), Q(l)]
-    y = torch.matmul(weights.transpose(-1, -2), xh).transpose(1, 2)  # [nc, Q(l), H, P]
+    # within a chunk: attention-like mixing with the decay as mask (B C^T is per group); the
+    # weights take the decay's memory
+    scores = torch.matmul(bq, cq.transpose(-1, -2))  # [nc, G, Q(s), Q(l)]
+    weights = decay.view(nc, groups, per, chunk, chunk).mul_(scores[:, :, None])
+    weights = weights.view(nc, heads, chunk, chunk)
+    y = torch.matmul(weights.transpose(-1, -2), xdt.transpose(1, 2))  # [nc, H, Q(l), P]
 
     # what each chunk adds to the state by its end, starting from zero
-    to_end = decay[..., -1].transpose(1, 2)  # [nc, Q(s), H]: decay from s to the chunk's end
-    added = torch.einsum("cshn,csh,cshp->chpn", bq, to_end, xdt)
-    whole = torch.exp(log_a.sum(dim=1))  # [nc, H]: decay over a whole chunk
+    u = (xdt * to_end[..., None]).view(nc, chunk, groups, per * hd).permute(0, 2, 3, 1)
+    added = torch.matmul(u, bq).view(nc, heads, hd, n)  # [nc, H, P, N]
+    whole = torch.exp(prefix[:, :, -1].float())  # [nc, H]: decay over a whole chunk
 
-    starts = []
+    # the state each chunk starts from, all sequences stepping together
+    most = max(counts)
+    if len(set(counts)) == 1:
+        added_s = added.view(seqs, most, heads, hd, n)
+        whole_s = whole.view(seqs, most, heads)
+        pick = None
+    else:  # shorter sequences get trailing no-op chunks (decay 1, nothing added)
+        pick = torch.tensor(
+            [i * most + j for i, count in enumerate(counts) for j in range(count)], device=dev
+        )
+        added_s = added.new_zeros(seqs * most, heads, hd, n).index_copy_(0, pick, added)
+        whole_s = whole.new_ones(seqs * most, heads).index_copy_(0, pick, whole)
+        added_s = added_s.view(seqs, most, heads, hd, n)
+        whole_s = whole_s.view(seqs, most, heads)
+    start = torch.empty(seqs, most, heads, hd, n, device=dev)
     state = h0
-    for i in range(nc):
-        starts.append(state)
-        state = state * whole[i][:, None, None] + added[i]
-    start = torch.stack(starts)  # [nc, H, P, N]
+    for j in range(most):
+        start[:, j] = state
+        state = torch.addcmul(added_s[:, j], state, whole_s[:, j, :, None, None])
+    start = start.view(seqs * most, heads, hd, n)
+    if pick is not None:
+        start = start[pick]
 
-    # contribution of the state each chunk starts from
-    from_start = torch.exp(log_a.cumsum(dim=1))  # [nc, Q, H]
-    y = y + torch.einsum("clhn,chpn,clh->clhp", cq, start, from_start)
-    y = y.reshape(nc * chunk, heads, hd)[offset : offset + length]
+    # contribution of the state each chunk starts from, scaled by the decay from the chunk's
+    # start to each token
+    from_start = torch.exp(prefix.float()).transpose(1, 2)  # [nc, Q(l), H]
+    st = start.view(nc, groups, per * hd, n).transpose(-1, -2)  # [nc, G, N, per * P]
+    ys = torch.matmul(cq, st).transpose(1, 2)  # [nc, Q(l), G, per * P]
+    out = torch.empty(nc, chunk, heads, hd, device=dev)
+    torch.addcmul(
+        y.transpose(1, 2), ys.unflatten(-1, (per, hd)).flatten(2, 3), from_start[..., None], out=out
+    )
+    y = out.view(nc * chunk, heads, hd)
+    if where is not None:
+        y = y[where]
     return y, state
 
 
@@ -214,8 +282,12 @@ class Mamba2Mixer(nn.Module):
                 t = rows.tokens
                 y[t] = self._step_rows(batch, rows, xbc[t], dt[t], a_coef)
             for seq in rest:
-                sl = slice(seq.start, seq.end)
-                y[sl] = self._sequence(batch, seq, xbc[sl], dt[sl], a_coef)
+                if seq.num_new == 1:
+                    sl = slice(seq.start, seq.end)
+                    y[sl] = self._sequence(batch, seq, xbc[sl], dt[sl], a_coef)
+            several = [seq for seq in rest if seq.num_new > 1]
+            if several:
+                self._prefill(batch, several, xbc, dt, a_coef, y)
         return self.out_proj(self.gate_and_norm(y, z).to(h.dtype))
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
@@ -256,23 +328,71 @@ class Mamba2Mixer(nn.Module):
         return x.view(length, self.heads, self.head_dim), b, c
 
     def _sequence(self, batch, seq: SeqInfo, xbc, dt, a_coef) -> torch.Tensor:
+        """One new token of one sequence: the recurrence on its own state."""
         conv_state, ssm_state = read_state(self.name, batch, seq)
-        # depthwise causal conv over [K-1 previous inputs | new inputs]
-        window = torch.cat([conv_state.to(xbc.dtype), xbc.t()], dim=1)  # [C, K-1+L]
-        new_conv = window[:, window.shape[1] - conv_state.shape[1] :]
-        conv = F.conv1d(window[None], self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
-        x, b, c = self._split_heads(self.act(conv[0].t()))
-        length = x.shape[0]
-        h0 = ssm_state.float()
-        if length == 1:
-            y, h1 = _ssd_step(x, dt, a_coef, b, c, h0)
-            h1 = h1[0]
-        else:
-            offset = seq.num_computed % self.chunk
-            y, h1 = _ssd_chunked(x, dt, a_coef, b, c, self.chunk, h0, offset)
+        window = torch.cat([conv_state.to(xbc.dtype), xbc.t()], dim=1)  # [C, K]
+        conv = (window * self.conv1d.weight[:, 0]).sum(-1, keepdim=True)
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias[:, None]
+        x, b, c = self._split_heads(self.act(conv.t()))
+        y, h1 = _ssd_step(x, dt, a_coef, b, c, ssm_state.float())
         y = y + x * self.D.float()[:, None]
-        write_state(self.name, batch, seq, [new_conv.to(conv_state.dtype), h1.to(ssm_state.dtype)])
-        return y.reshape(length, self.inner)
+        write_state(
+            self.name, batch, seq, [window[:, 1:].to(conv_state.dtype), h1[0].to(ssm_state.dtype)]
+        )
+        return y.reshape(1, self.inner)
+
+    def _prefill(self, batch, seqs: list[SeqInfo], xbc, dt, a_coef, y: torch.Tensor) -> None:
+        """Sequences adding several tokens each, all together: one causal conv over their
+        windows side by side and one chunked scan over their chunks; writes their rows of y."""
+        states = [read_state(self.name, batch, seq) for seq in seqs]
+        k1 = self.conv1d.weight.shape[-1] - 1
+        dev = xbc.device
+        # [K-1 previous inputs | new inputs] of each sequence, one after another: [sum(K-1+L), C]
+        # in float32 (exact for the inputs, and the conv sums in float32 whatever their dtype)
+        parts, ends = [], []
+        for seq, (conv_state, _) in zip(seqs, states, strict=True):
+            parts += [conv_state.t(), xbc[seq.start : seq.end]]
+            ends.append((ends[-1] if ends else 0) + k1 + seq.num_new)
+        window = torch.cat(parts).float()
+        # the depthwise causal conv as K shifted multiply-adds on token-major rows: output row
+        # j covers window rows j .. j+K-1, so a sequence's outputs start at its window's first
+        # row; the K-1 rows spanning two windows are dropped
+        weight = self.conv1d.weight[:, 0].float().t()  # [K, C]
+        span = window.shape[0] - k1
+        if self.conv1d.bias is not None:
+            conv = torch.addcmul(self.conv1d.bias.float(), window[:span], weight[0])
+        else:
+            conv = window[:span] * weight[0]
+        for k in range(1, k1 + 1):
+            conv.addcmul_(window[k : k + span], weight[k])
+        lengths = [seq.num_new for seq in seqs]
+        lens = torch.tensor(lengths, device=dev)
+        firsts = torch.tensor(ends, device=dev) - k1 - lens
+        total = sum(lengths)
+        picks = torch.arange(total, device=dev) + (
+            firsts - (lens.cumsum(0) - lens)
+        ).repeat_interleave(lens, output_size=total)
+        act = self.act(conv.index_select(0, picks))  # [T', C]
+        gn = self.groups * self.state
+        x, b, c = act.split([self.inner, gn, gn], dim=-1)
+        x = x.view(total, self.heads, self.head_dim)
+        b = b.view(total, self.groups, self.state)
+        c = c.view(total, self.groups, self.state)
+        contiguous = all(a.end == z.start for a, z in itertools.pairwise(seqs))
+        if contiguous:
+            rows = slice(seqs[0].start, seqs[-1].end)
+        else:
+            rows = torch.cat([torch.arange(seq.start, seq.end, device=dev) for seq in seqs])
+        chunk = min(self.chunk, SCAN_CHUNK)
+        offsets = [seq.num_computed % chunk for seq in seqs]
+        h0 = torch.stack([ssm.float() for _, ssm in states])
+        out, h1 = _ssd_packed(x, dt[rows], a_coef, b, c, chunk, h0, offsets, lengths)
+        out.addcmul_(x, self.D.float()[:, None])
+        y[rows] = out.reshape(total, self.inner)
+        for i, (seq, (conv_state, ssm_state)) in enumerate(zip(seqs, states, strict=True)):
+            new_conv = window[ends[i] - k1 : ends[i]].t().to(conv_state.dtype)
+            write_state(self.name, batch, seq, [new_conv, h1[i].to(ssm_state.dtype)])
 
 
 def check_state_spec(d: Mamba2Dims, spec: object, layer: str, arch: str) -> None:
