@@ -27,11 +27,13 @@ class WorkerActor:
         self.name = name
         name_log_prefix(name)
         configure_logging(log_level)  # stderr, which Ray forwards to `serve`'s console
+        from hybrid_pd.engine.malloc import tune_malloc
         from hybrid_pd.engine.threads import set_torch_threads
 
         if not threads and workers_on_host is None:
             workers_on_host = _worker_slots_on_this_node()
         set_torch_threads(threads, workers_on_host or 1)
+        tune_malloc()
         if config.host == "auto":  # serve on this node's address (multi-node clusters)
             import dataclasses
 

@@ -249,11 +249,13 @@ def bench_engine(
 
     from hybrid_pd.engine.engine import Engine, EngineConfig
     from hybrid_pd.engine.loader import load_model
+    from hybrid_pd.engine.malloc import tune_malloc
     from hybrid_pd.engine.sampling import SamplingParams
     from hybrid_pd.engine.threads import set_torch_threads
     from hybrid_pd.engine.tiny import resolve_model
 
     threads = set_torch_threads(threads)
+    tune_malloc()
     path = resolve_model(model_name)
     model, config, tok = load_model(path, dtype=dtype)
     gen = torch.Generator().manual_seed(0)

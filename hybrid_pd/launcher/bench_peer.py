@@ -184,6 +184,9 @@ class VllmPeer:
 class _OurSide:
     def __init__(self, path: Path, dtype: str) -> None:
         from hybrid_pd.engine.loader import load_model
+        from hybrid_pd.engine.malloc import tune_malloc
+
+        tune_malloc()  # as in every engine process (vLLM's side preloads tcmalloc)
 
         self.model, self.config, self.tok = load_model(path, dtype=dtype)
         self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")

@@ -185,11 +185,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         return _cmd_generate_pd(args)
     from hybrid_pd.engine.engine import Engine, EngineConfig
     from hybrid_pd.engine.loader import load_model
+    from hybrid_pd.engine.malloc import tune_malloc
     from hybrid_pd.engine.threads import set_torch_threads
     from hybrid_pd.engine.tiny import resolve_model
     from hybrid_pd.kvcache.planner import parse_bytes
 
     set_torch_threads(args.threads)
+    tune_malloc()
     model, config, tokenizer = load_model(resolve_model(args.model), device=args.device)
     engine = Engine(
         model, config, EngineConfig(kv_memory_bytes=parse_bytes(args.kv_memory)), tokenizer

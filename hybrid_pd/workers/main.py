@@ -18,6 +18,7 @@ import threading
 
 from hybrid_pd.api.secret import SECRET_ENV, given_secret
 from hybrid_pd.engine.engine import EngineConfig
+from hybrid_pd.engine.malloc import tune_malloc
 from hybrid_pd.engine.threads import set_torch_threads
 from hybrid_pd.kvcache.planner import parse_bytes
 from hybrid_pd.workers.worker import ROLES, Worker, WorkerConfig
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     set_torch_threads(args.threads, args.workers_on_host)
+    tune_malloc()
     config = WorkerConfig(
         role=args.role,
         model=args.model,
