@@ -4,10 +4,13 @@ PyTorch sends a CPU float32 `F.linear` to MKL's GEMM, which on AMD processors ru
 code path: about 85 GFLOP/s on one Zen 5 core, against about 210 GFLOP/s for oneDNN's
 AVX-512 kernels (the ones vLLM's CPU build uses). A prefill step is mostly these GEMMs, so
 this is most of the gap to vLLM there. oneDNN sums in a different order than MKL: results
-agree to float32 rounding, not bit for bit.
+agree to float32 rounding, not bit for bit. bfloat16 takes this path only where oneDNN has
+bfloat16 kernels for the processor (`onednn_dtype`); an AVX2-only CPU keeps `F.linear` for it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -20,15 +23,27 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.cache
+def onednn_dtype(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's CPU linear takes `dtype` here: float32 wherever oneDNN is available,
+    bfloat16 only where the processor has bfloat16 kernels (oneDNN refuses it on an AVX2-only
+    CPU, so such a machine keeps PyTorch's own path)."""
+    if dtype not in _DTYPES or not onednn_available():
+        return False
+    if dtype is torch.bfloat16:
+        supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return bool(supported is not None and supported())
+    return True
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """`F.linear`, through oneDNN when the operands are CPU tensors it handles."""
     if (
         x.device.type == "cpu"
-        and x.dtype in _DTYPES
         and weight.dtype == x.dtype
         and (bias is None or bias.dtype == x.dtype)
         and x.numel()
-        and onednn_available()
+        and onednn_dtype(x.dtype)
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -40,7 +55,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     The reorder only moves values: the products are those of the plain weight's kernels
     for more than one row (one row takes another kernel either way), 10-40% faster at
     the engine's shapes since no call reorders the weight again."""
-    if weight.device.type != "cpu" or weight.dtype not in _DTYPES or not onednn_available():
+    if weight.device.type != "cpu" or not onednn_dtype(weight.dtype):
         return None
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     if reorder is None:

@@ -8,7 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid_pd.engine.onednn import OneDnnLinear, linear, onednn_available, use_onednn_linears
+from hybrid_pd.engine.onednn import (
+    OneDnnLinear,
+    linear,
+    onednn_available,
+    onednn_dtype,
+    pack_weight,
+    packed_linear,
+    use_onednn_linears,
+)
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN in this torch")
 
@@ -23,6 +31,29 @@ def test_linear_matches_f_linear(shape, bias):
     out = linear(x, w, b)
     assert out.shape == (*shape[:-1], 96)
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_bfloat16_runs_on_any_processor(rows):
+    """bfloat16 goes through oneDNN only where the processor has its bfloat16 kernels
+    (oneDNN refuses it on AVX2-only CPUs); elsewhere PyTorch's own path. Either way the
+    layer, its packed weight and the free functions give F.linear's result."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    layer = nn.Linear(64, 96).bfloat16()
+    use_onednn_linears(layer)
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    for got in (layer(x), linear(x, layer.weight, layer.bias)):
+        assert got.dtype is torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=5e-2)
+    packed = pack_weight(layer.weight)
+    assert (packed is not None) == onednn_dtype(torch.bfloat16)
+    torch.testing.assert_close(
+        packed_linear(x, layer.weight, packed).float(),
+        F.linear(x.float(), layer.weight.float()),
+        rtol=2e-2,
+        atol=5e-2,
+    )
 
 
 def test_linear_falls_back_on_mixed_dtypes():
