@@ -111,7 +111,7 @@ class Server:
         full_env.update(env or {})
         self._args, self._env = args, full_env
         self._out = open(log, "w")  # closed in stop()
-        self._log_from = 0  # where this start's lines begin in the log (characters)
+        self._log_from = 0  # where this start's lines begin in the log (bytes)
         self._launch()
 
     def _launch(self) -> None:
@@ -147,7 +147,7 @@ class Server:
         prints in the engine process long before the API server's own traceback ends the
         log."""
         self._out.flush()
-        lines = self.log.read_text(errors="replace")[self._log_from :].splitlines()
+        lines = self.log.read_bytes()[self._log_from :].decode(errors="replace").splitlines()
         start = next((i for i, line in enumerate(lines) if "Traceback" in line), None)
         if start is None:
             return "(no traceback in the log)"
@@ -167,7 +167,7 @@ class Server:
         self.client.close()
         self._out.write("\n=== restarted ===\n")
         self._out.flush()
-        self._log_from = len(self.log.read_text(errors="replace"))
+        self._log_from = self._out.tell()
         self._launch()
 
     def tail(self, n: int = 40) -> str:

@@ -11,7 +11,7 @@ from hybrid_pd.launcher.local import SECRET_ENV, _secret_out_of_argv, start_work
 from hybrid_pd.launcher.serve_config import ServeConfig, resolve_secret
 from hybrid_pd.workers import main as worker_main
 
-CLUSTER = "10.0.0.1:6379"  # never dialled: every case here fails or resolves before ray.init
+CLUSTER = "127.0.0.1:6379"  # never dialled: every case here fails or resolves before ray.init
 
 
 @pytest.fixture
