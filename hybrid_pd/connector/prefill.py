@@ -31,8 +31,9 @@ _REMEMBERED = 4096
 
 #: Fault injection for the tests only: "exit_during_pull" makes the process exit after
 #: sending part of a transfer; "zero_sends" sends zeros in place of the KV (the proof that
-#: decode's output depends on what it pulls). Never set in production.
-_FAULT = os.environ.get("HYBRID_PD_INJECT_FAULT", "")
+#: decode's output depends on what it pulls), "zero_sends:MARK" only for the requests whose
+#: id contains MARK. Never set in production.
+_FAULT, _, _FAULT_MARK = os.environ.get("HYBRID_PD_INJECT_FAULT", "").partition(":")
 
 
 def _bounded_put(d: OrderedDict, key: str, value) -> None:
@@ -210,7 +211,7 @@ class PrefillConnector:
         try:
             runs = self._plan.runs(_skipped(lease.block_ids, skip), dst_blocks)
             regions = self._plan.src_regions(runs)
-            if _FAULT == "zero_sends":
+            if _FAULT == "zero_sends" and _FAULT_MARK in request_id:
                 regions = [r.new_zeros(r.shape) for r in regions]
             if _FAULT == "exit_during_pull":
                 _die_mid_transfer(self.transport, peer, tag, regions)

@@ -174,8 +174,8 @@ class Server:
         self._out.flush()
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
-    def complete(self, body: dict) -> dict:
-        r = self.client.post("/v1/completions", json=body)
+    def complete(self, body: dict, headers: dict | None = None) -> dict:
+        r = self.client.post("/v1/completions", json=body, headers=headers)
         if r.status_code != 200:
             raise RuntimeError(f"{self.url}: {r.status_code}: {r.text[:500]}")
         return r.json()

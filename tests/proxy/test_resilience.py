@@ -132,7 +132,7 @@ def test_decode_worker_killed_mid_stream_migrates(fleet, tiny_path, reference):
         prefill_addresses=(pre.address,),
         decode_addresses=(dec_a.address, dec_b.address),
     )
-    n_new = 400
+    n_new = 200
     prompts = [prompt(100 + i, 48) for i in range(4)]
     want = expected(reference, prompts, n_new)
     by_address = {dec_a.address: dec_a, dec_b.address: dec_b}

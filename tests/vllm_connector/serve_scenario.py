@@ -1,7 +1,8 @@
 """Run inside a fresh network namespace (only loopback), under a Python with vLLM:
 `hybrid-pd serve --engine vllm` (Deployment on embedded Ray: a prefill and a decode vLLM
 server running hybrid-pd's connector, each behind our Worker API, and our proxy). Prints
-one JSON line: whether the proxy's answers equal one vLLM instance's."""
+one JSON line: whether the proxy's answers equal one vLLM instance's. A check run by hand
+(docs/vllm.md); test_multinode.py runs the same path on a Ray cluster and uses compare()."""
 
 from __future__ import annotations
 

@@ -31,6 +31,7 @@ FAMILIES = {
     "qwen3_5": (checkpoints.qwen3_5, "bfloat16", {"PYTHONPATH": str(STUBS)}),
 }
 MAX_TOKENS = 12
+ZEROS_MARK = "hpd-zero-sends"
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -54,14 +55,11 @@ def _body(prompt, max_tokens: int, params=None) -> dict:
 
 
 class PD:
-    def __init__(
-        self, prefill: Server, decode: Server, zeros: Server, dtype: str, secret: str, model: Path
-    ) -> None:
+    def __init__(self, prefill: Server, decode: Server, dtype: str, secret: str, model: Path):
         self.prefill, self.decode = prefill, decode
         self.model_path = model
         self.dtype = dtype
         self.secret = secret  # the connectors' control-plane secret
-        self.zeros = zeros  # a prefill server that sends zeros in place of the KV
         self.model = prefill.client.get("/v1/models").json()["data"][0]["id"]
 
     def body(self, prompt, max_tokens: int, params=None) -> dict:
@@ -71,19 +69,18 @@ class PD:
         """The decode server alone (no kv_transfer_params): one vLLM instance."""
         return self.decode.complete(self.body(prompt, max_tokens))["choices"][0]["token_ids"]
 
-    def hand_off(self, prompt, prefill: Server | None = None) -> tuple[list[int], dict]:
-        server = prefill or self.prefill
-        out = server.complete(self.body(prompt, 1, {"do_remote_decode": True}))
+    def hand_off(self, prompt, zeros: bool = False) -> tuple[list[int], dict]:
+        """Prefill's first token and kv_transfer_params; `zeros`: the prefill server sends
+        zeros in place of this request's KV (its fault injection, keyed on the request id)."""
+        body = self.body(prompt, 1, {"do_remote_decode": True})
+        headers = {"X-Request-Id": f"{ZEROS_MARK}-{secrets.token_hex(4)}"} if zeros else None
+        out = self.prefill.complete(body, headers=headers)
         return out["choices"][0]["token_ids"], out["kv_transfer_params"]
 
     def run(
-        self,
-        prompt,
-        max_tokens: int = MAX_TOKENS,
-        stream: bool = False,
-        prefill: Server | None = None,
+        self, prompt, max_tokens: int = MAX_TOKENS, stream: bool = False, zeros: bool = False
     ) -> list[int]:
-        first, params = self.hand_off(prompt, prefill)
+        first, params = self.hand_off(prompt, zeros)
         body = self.body(prompt, max_tokens, params)
         rest = (
             self.decode.stream_tokens(body)
@@ -100,38 +97,32 @@ def pd(request, tmp_path_factory):
     model = build(root / "ckpt")
     secret = root / "secret"
     secret.write_text(secrets.token_urlsafe(24))
-    control, zeros_control = free_port(), free_port()
+    control = free_port()
     prefill_cpus, decode_cpus = cpu_halves()
-
-    def producer(name: str, port: int, fault: dict) -> Server:
-        return Server(
-            model,
-            root / f"{name}.log",
-            dtype=dtype,
-            role="kv_producer",
-            extra={"control_port": port, "secret_file": str(secret)},
-            cpus=prefill_cpus,
-            env={**env, **fault},
-        )
-
-    prefill = producer("prefill", control, {})
-    zeros = producer("zeros", zeros_control, {"HYBRID_PD_INJECT_FAULT": "zero_sends"})
+    # The prefill server sends zeros in place of the KV for requests whose id carries
+    # ZEROS_MARK (the negative control), and the real KV for every other request.
+    prefill = Server(
+        model,
+        root / "prefill.log",
+        dtype=dtype,
+        role="kv_producer",
+        extra={"control_port": control, "secret_file": str(secret)},
+        cpus=prefill_cpus,
+        env={**env, "HYBRID_PD_INJECT_FAULT": f"zero_sends:{ZEROS_MARK}"},
+    )
     decode = Server(
         model,
         root / "decode.log",
         dtype=dtype,
         role="kv_consumer",
-        extra={
-            "peers": [f"127.0.0.1:{control}", f"127.0.0.1:{zeros_control}"],
-            "secret_file": str(secret),
-        },
+        extra={"peers": [f"127.0.0.1:{control}"], "secret_file": str(secret)},
         cpus=decode_cpus,
         env=env,
     )
-    servers = (prefill, zeros, decode)
+    servers = (prefill, decode)
     try:
         start_all(servers)
-        yield PD(prefill, decode, zeros, dtype, secret.read_text(), model)
+        yield PD(prefill, decode, dtype, secret.read_text(), model)
     finally:
         for server in servers:
             server.stop()
@@ -168,14 +159,14 @@ def test_pd_equals_single_instance(pd):
 
 
 def test_decode_continues_from_the_pulled_kv(pd):
-    """Negative control: from a prefill server that sends zeros in place of the KV, the
+    """Negative control: when the prefill server sends zeros in place of the KV, the
     pulls succeed and decode's tokens differ from the reference. Decode really computes
     from what it pulls; nothing recomputes the prompt behind the connector's back."""
     prompts = _prompts(5, seed=5)[1:4]  # 40, 129 and 300 tokens
     refs = [pd.reference(p) for p in prompts]
     before = pd.decode.metrics()
     for prompt, ref in zip(prompts, refs, strict=True):
-        got = pd.run(prompt, prefill=pd.zeros)
+        got = pd.run(prompt, zeros=True)
         assert got[0] == ref[0]  # the first token comes from the (correct) prefill
         assert got != ref, f"prompt of {len(prompt)} tokens decoded alike from zeroed KV"
     after = _settle(
@@ -205,14 +196,12 @@ def test_concurrent_hand_offs(pd):
 
 
 def test_bytes_sent_equal_bytes_pulled_and_nothing_leaks(pd):
-    sent = 0
-    for server in (pd.prefill, pd.zeros):
-        # Every kept request was released by its pull; the prefill pool is empty again.
-        m = _settle(server, "vllm:kv_cache_usage_perc", 0.0)
-        assert m["vllm:kv_cache_usage_perc"] == 0.0
-        assert m["hybrid_pd_kv_handed_over_total"] == m["hybrid_pd_kv_released_total"]
-        assert m.get("hybrid_pd_kv_expired_total", 0) == 0
-        sent += m.get("hybrid_pd_kv_bytes_sent_total", 0)
+    # Every kept request was released by its pull; the prefill pool is empty again.
+    m = _settle(pd.prefill, "vllm:kv_cache_usage_perc", 0.0)
+    assert m["vllm:kv_cache_usage_perc"] == 0.0
+    assert m["hybrid_pd_kv_handed_over_total"] == m["hybrid_pd_kv_released_total"]
+    assert m.get("hybrid_pd_kv_expired_total", 0) == 0
+    sent = m.get("hybrid_pd_kv_bytes_sent_total", 0)
     assert sent > 0
     assert sent == pd.decode.metrics()["hybrid_pd_kv_bytes_pulled_total"]
 
