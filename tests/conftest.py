@@ -17,3 +17,19 @@ def _root_logging():
     handlers, level = list(root.handlers), root.level
     yield
     root.handlers[:], root.level = handlers, level
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """checkpoint(name): tests.checkpoints.BUILDERS[name]'s checkpoint, built once per run
+    (tests only read it)."""
+    from tests.checkpoints import BUILDERS
+
+    built: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = BUILDERS[name](tmp_path_factory.mktemp(f"ckpt-{name}"))
+        return built[name]
+
+    return get

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
+from hybrid_pd.connector.vllm_servers import free_port
 from hybrid_pd.engine.engine import Engine, EngineConfig
 from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.sampling import SamplingParams
@@ -17,22 +19,36 @@ KV_MEMORY = "8MiB"
 
 
 class Pair:
-    """A prefill worker and a decode worker (real processes) plus their clients."""
+    """A prefill worker and a decode worker (real processes) plus their clients. The two
+    start side by side: the prefill worker gets its port up front, decode its address."""
 
     def __init__(self, path: Path, *, prefill_args=(), decode_args=(), env=None, log=None):
         common = ["--model", str(path), "--kv-memory", KV_MEMORY, "--threads", "1"]
+        port = free_port()
         self.procs: list[WorkerProcess] = []
-        try:
-            self.procs.append(start_worker("prefill", *common, *prefill_args, env=env, log=log))
-            peer = ("--peer", self.procs[0].address)
-            self.procs.append(start_worker("decode", *common, *peer, *decode_args, log=log))
-        except BaseException:
+        with ThreadPoolExecutor(2) as ex:
+            starts = [
+                ex.submit(
+                    start_worker, "prefill", *common, "--port", str(port), *prefill_args,
+                    env=env, log=log,
+                ),
+                ex.submit(
+                    start_worker, "decode", *common, "--peer", f"127.0.0.1:{port}",
+                    *decode_args, log=log,
+                ),
+            ]  # fmt: skip
+            wait(starts)
+        failed = [f.exception() for f in starts if f.exception() is not None]
+        self.procs = [f.result() for f in starts if f.exception() is None]
+        if failed:
             self.close()
-            raise
+            raise failed[0]
         self.prefill = WorkerClient(self.procs[0].address, timeout_s=120)
         self.decode = WorkerClient(self.procs[1].address, timeout_s=120)
 
     def close(self) -> None:
+        for p in self.procs:  # both stop at once
+            p.proc.terminate()
         for p in self.procs:
             p.stop()
 

@@ -31,8 +31,8 @@ LENGTHS = (5, 3 * SW_WINDOW + 1, 9 * MAMBA_CHUNK + 3)
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
-def arch(request, tmp_path_factory):
-    path = BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
+def arch(request, checkpoint):
+    path = checkpoint(request.param)
     pair = Pair(path)
     try:
         yield request.param, path, pair, reference_engine(path)

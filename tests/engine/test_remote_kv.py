@@ -89,9 +89,8 @@ class ScriptedLoads:
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
-def loaded(request, tmp_path_factory):
-    path = BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
-    return load_model(path)
+def loaded(request, checkpoint):
+    return load_model(checkpoint(request.param))
 
 
 def make_engine(loaded, kv_memory: int = 4 * 2**20, connector=None, reuse=True) -> Engine:
