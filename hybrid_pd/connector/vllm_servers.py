@@ -81,10 +81,13 @@ class Server:
         cpus: str = "nobind",
         kv_transfer_config: dict | None = None,
         python: str | None = None,
+        single_process: bool = False,
     ) -> None:
         """`role` + `extra`: hybrid-pd's connector; `kv_transfer_config`: any connector.
         `cpus`: VLLM_CPU_OMP_THREADS_BIND, the CPUs this server computes on. `python`: the
-        interpreter that has vLLM (default: this one)."""
+        interpreter that has vLLM (default: this one). `single_process`: the model runs in
+        the engine-core process (vLLM's `uni` executor, its default for one GPU) instead of
+        a worker process of its own (its CPU default); one Python start fewer."""
         self.log = log
         args = [
             python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -94,6 +97,8 @@ class Server:
             "--uvicorn-log-level", "warning",
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         ]  # fmt: skip
+        if single_process:
+            args += ["--distributed-executor-backend", "uni"]
         if role is not None:
             kv_transfer_config = connector_config(role, extra or {})
         if kv_transfer_config is not None:
@@ -104,6 +109,8 @@ class Server:
             VLLM_CPU_OMP_THREADS_BIND=cpus,
             TOKENIZERS_PARALLELISM="false",
         )
+        if single_process:  # vLLM's CPU platform turns `uni` into `mp` unless this is 0
+            full_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         for lib in TCMALLOC:
             if Path(lib).exists():
                 full_env["LD_PRELOAD"] = lib

@@ -63,6 +63,7 @@ def cross(tmp_path_factory):
             "secret_file": str(root / "secret"),
         },
         cpus=cpu_halves()[1],
+        single_process=True,
     )
     try:
         start_all([server])

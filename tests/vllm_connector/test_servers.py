@@ -100,7 +100,9 @@ def pd(request, tmp_path_factory):
     control = free_port()
     prefill_cpus, decode_cpus = cpu_halves()
     # The prefill server sends zeros in place of the KV for requests whose id carries
-    # ZEROS_MARK (the negative control), and the real KV for every other request.
+    # ZEROS_MARK (the negative control), and the real KV for every other request. Both run
+    # the model in the engine-core process (vLLM's executor for one GPU); the multi-node
+    # test runs vLLM's CPU default, a worker process of its own.
     prefill = Server(
         model,
         root / "prefill.log",
@@ -109,6 +111,7 @@ def pd(request, tmp_path_factory):
         extra={"control_port": control, "secret_file": str(secret)},
         cpus=prefill_cpus,
         env={**env, "HYBRID_PD_INJECT_FAULT": f"zero_sends:{ZEROS_MARK}"},
+        single_process=True,
     )
     decode = Server(
         model,
@@ -118,6 +121,7 @@ def pd(request, tmp_path_factory):
         extra={"peers": [f"127.0.0.1:{control}"], "secret_file": str(secret)},
         cpus=decode_cpus,
         env=env,
+        single_process=True,
     )
     servers = (prefill, decode)
     try:
