@@ -113,3 +113,32 @@ def gemma3_62m(folder: Path) -> Path:
         sliding_window=128,
         layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 2,
     )
+
+
+def qwen3_5_62m(folder: Path) -> Path:
+    """Qwen3.5-like at the bench's size: hidden 512, 6 Gated DeltaNet + 2 full attention
+    layers, head_dim 64, vocab 32000, recurrent state in float32 (run it in bfloat16)."""
+    if not (folder / "config.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        write_tiny_checkpoint(
+            folder,
+            {
+                "vocab_size": 32000,
+                "hidden_size": 512,
+                "intermediate_size": 1536,
+                "num_hidden_layers": 8,
+                "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+                "head_dim": 64,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "linear_key_head_dim": 64,
+                "linear_value_head_dim": 64,
+                "linear_num_key_heads": 4,
+                "linear_num_value_heads": 8,
+                "mamba_ssm_dtype": "float32",
+                "bos_token_id": None,
+                "eos_token_id": None,
+                "pad_token_id": None,
+            },
+        )
+    return folder
