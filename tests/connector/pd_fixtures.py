@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,8 +25,7 @@ class Pair:
     def __init__(self, path: Path, *, prefill_args=(), decode_args=(), env=None, log=None):
         common = ["--model", str(path), "--kv-memory", KV_MEMORY, "--threads", "1"]
         port = free_port()
-        self.procs: list[WorkerProcess] = []
-        with ThreadPoolExecutor(2) as ex:
+        with ThreadPoolExecutor(2) as ex:  # leaving the block waits for both starts
             starts = [
                 ex.submit(
                     start_worker, "prefill", *common, "--port", str(port), *prefill_args,
@@ -37,9 +36,8 @@ class Pair:
                     *decode_args, log=log,
                 ),
             ]  # fmt: skip
-            wait(starts)
         failed = [f.exception() for f in starts if f.exception() is not None]
-        self.procs = [f.result() for f in starts if f.exception() is None]
+        self.procs: list[WorkerProcess] = [f.result() for f in starts if f.exception() is None]
         if failed:
             self.close()
             raise failed[0]
