@@ -44,11 +44,23 @@ class RequestStream:
         self.queued = False
 
     async def open(self, *args, **kwargs) -> str:
-        """Add the request (ValueError: refused, nothing queued)."""
-        fut = self.w.loop.submit(*args, sink=self.sink, **kwargs)
-        self.request_id = await asyncio.wrap_future(fut)
+        """Add the request (ValueError: refused, nothing queued). Its queue slot is taken
+        before the first await: the engine thread takes the request only after its current
+        step, and calls arriving meanwhile must already see the slot taken."""
         self.queued = True
         self.w.queued += 1
+        fut = self.w.loop.submit(*args, sink=self.sink, **kwargs)
+        try:
+            self.request_id = await asyncio.wrap_future(fut)
+        except BaseException:
+            self._unqueue()
+            # Cancelled (the client left) after the engine took it: drop it there too.
+            fut.add_done_callback(
+                lambda f: (
+                    f.cancelled() or f.exception() is not None or self.w.loop.abort(f.result())
+                )
+            )
+            raise
         return self.request_id
 
     async def next(self, timeout: float) -> RequestOutput:
