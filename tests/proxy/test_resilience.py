@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -36,11 +37,22 @@ class Fleet:
         self.procs = []
 
     def add(self, role: str, *extra):
-        p = start(role, self.tiny_path, self.cache_dir, *extra)
-        self.procs.append(p)
-        return p
+        return self.add_all((role, *extra))[0]
+
+    def add_all(self, *specs: tuple[str, ...]) -> list:
+        """Workers of `specs` ((role, *extra args) each), started side by side."""
+        with ThreadPoolExecutor(len(specs)) as ex:
+            starts = [ex.submit(start, s[0], self.tiny_path, self.cache_dir, *s[1:]) for s in specs]
+        self.procs += [f.result() for f in starts if f.exception() is None]
+        for f in starts:
+            if f.exception() is not None:
+                raise f.exception()
+        return [f.result() for f in starts]
 
     def close(self) -> None:
+        for p in self.procs:  # all stop at once
+            if p.proc.poll() is None:
+                p.proc.terminate()
         for p in self.procs:
             p.stop()
 
@@ -89,7 +101,7 @@ def expected(reference, prompts: list[list[int]], n: int) -> list[list[int]]:
 def test_64_concurrent_streams_keep_health_green(fleet, tiny_path, reference):
     """64 streams at once on one prefill + one decode worker: every one completes with the
     single engine's tokens, and /health answers 200 all along (busy is not dead)."""
-    pre, dec = fleet.add("prefill"), fleet.add("decode")
+    pre, dec = fleet.add_all(("prefill",), ("decode",))
     proxy = make_proxy(tiny_path, prefill_addresses=(pre.address,), decode_addresses=(dec.address,))
     n_new = 12
     prompts = [prompt(i, 40 + 5 * (i % 8)) if i % 4 else prompt(i, 10) for i in range(64)]
@@ -126,7 +138,7 @@ def test_64_concurrent_streams_keep_health_green(fleet, tiny_path, reference):
 def test_decode_worker_killed_mid_stream_migrates(fleet, tiny_path, reference):
     """The decode worker dies while streaming: the proxy resubmits prompt + tokens so far to
     the other decode worker; the client sees one unbroken stream of the right tokens."""
-    pre, dec_a, dec_b = fleet.add("prefill"), fleet.add("decode"), fleet.add("decode")
+    pre, dec_a, dec_b = fleet.add_all(("prefill",), ("decode",), ("decode",))
     proxy = make_proxy(
         tiny_path,
         prefill_addresses=(pre.address,),
@@ -168,7 +180,7 @@ def test_prefill_worker_killed_under_load(fleet, tiny_path, reference):
     """The only prefill worker dies with hand-offs in flight: prefills in progress are run
     on the decode worker (bounded fallback), pulls that broke are recomputed; nothing is
     lost and every greedy answer is exact."""
-    pre, dec = fleet.add("prefill"), fleet.add("decode")
+    pre, dec = fleet.add_all(("prefill",), ("decode",))
     proxy = make_proxy(
         tiny_path,
         prefill_addresses=(pre.address,),
@@ -215,8 +227,7 @@ def test_tight_pool_queues_and_nothing_waits_on_a_timeout(fleet, tiny_path, refe
     need = reference.kv.config.blocks_per_request(len(prompts[-1]) + n_new)
     kv_bytes = str((2 * need + 2) * reference.kv_config.page_size_bytes)
     tight = ("--kv-memory", kv_bytes)
-    pre = fleet.add("prefill", *tight)
-    dec = fleet.add("decode", *tight, "--transfer-timeout-s", "30")
+    pre, dec = fleet.add_all(("prefill", *tight), ("decode", *tight, "--transfer-timeout-s", "30"))
     proxy = make_proxy(tiny_path, prefill_addresses=(pre.address,), decode_addresses=(dec.address,))
     want = expected(reference, prompts, n_new)
 
