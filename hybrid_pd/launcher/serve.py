@@ -98,8 +98,11 @@ class Deployment:
         self._vllm_args = _vllm_slots(config, model_path) if vllm else {}
         self.actors: dict[str, list] = {"prefill": [], "decode": []}
         try:
-            # vLLM decode servers are told their prefill peers when they start: prefill first.
-            stages = [("prefill", "decode")] if not vllm else [("prefill",), ("decode",)]
+            # vLLM decode servers are told their prefill peers when they start: where the
+            # peers' addresses are known up front (a fixed host) all start at once, else
+            # prefill first (its actors say where they landed).
+            serial = vllm and any("peers" not in a for a in self._vllm_args.values())
+            stages = [("prefill",), ("decode",)] if serial else [("prefill", "decode")]
             self.addresses = {"prefill": [], "decode": []}
             for stage in stages:
                 for role in stage:
@@ -108,7 +111,7 @@ class Deployment:
                         self.actors[role].append(self._spawn(role, i))
                 up = self._await_workers(timeout=300, interrupt=interrupt, roles=stage)
                 self.addresses.update(up)
-                if vllm and stage == ("prefill",):
+                if serial and stage == ("prefill",):
                     self._tell_decode_its_peers()
             self._start_proxy(model_path)
         except BaseException:
@@ -511,7 +514,8 @@ def _vllm_slots(config: ServeConfig, model_path: str) -> dict[tuple[str, int], d
     Python and dtype, the secret, the host to serve on, CPUs of its own (vLLM CPU servers
     bind their compute threads: servers sharing cores slow each other down by orders of
     magnitude), and fixed control ports (a restarted prefill actor comes back where its
-    decode peers look). Decode slots learn their peers once the prefill actors are up.
+    decode peers look). With a fixed host (embedded Ray, or --worker-host) decode slots get
+    their peers here; with "auto" they learn them once the prefill actors are up.
 
     Embedded Ray: this machine's CPUs are split among the servers. A cluster: each server
     binds the CPUs of the node it lands on (one vLLM server per node, see docs/vllm.md)."""
@@ -545,4 +549,13 @@ def _vllm_slots(config: ServeConfig, model_path: str) -> dict[tuple[str, int], d
         if role == "prefill":
             slot["control_port"] = free_port()
         slots[(role, i)] = slot
+    if common["host"] != "auto":  # where each prefill actor's connector will listen
+        peers = tuple(
+            f"{common['host']}:{slot['control_port']}"
+            for (role, _), slot in slots.items()
+            if role == "prefill"
+        )
+        for (role, _), slot in slots.items():
+            if role == "decode":
+                slot["peers"] = peers
     return slots
