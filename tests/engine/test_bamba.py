@@ -26,14 +26,7 @@ from tests.engine.mamba2_parity import (  # noqa: E402
     prompt,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny ops: on a busy 2-core machine intra-op threads only spin and wait
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

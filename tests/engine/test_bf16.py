@@ -23,12 +23,7 @@ from tests.engine.harness import PagedRunner
 PROMPT, FORCED = 40, 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _gemma3():

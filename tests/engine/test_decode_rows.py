@@ -21,12 +21,7 @@ TOL = 2e-5  # of the largest logit: float32, SDPA vs einsum order over 24 steps
 LENGTHS = (1, 9, 30, 5, 17)  # windows of 16 (SW_WINDOW) slide across blocks of 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # Gemma 3 (sliding + full groups), Mistral (sliding everywhere), Granite (attention + Mamba2).

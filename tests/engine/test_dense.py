@@ -36,13 +36,7 @@ TOL = 1e-4
 GREEDY = SamplingParams(max_tokens=NEW, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny ops: on a busy 2-core machine intra-op threads only spin and wait
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Reference:

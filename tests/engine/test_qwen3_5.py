@@ -53,13 +53,7 @@ SMALL = dict(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls on a busy 2-core machine: intra-op threads only contend (50x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _save_and_load(hf, tmp_path):

@@ -6,7 +6,6 @@ loops over all sequences, and the greedy tokens must equal transformers'."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -21,13 +20,7 @@ TOL = 2e-5  # of the largest logit: float32 rounding over 24 steps, batched vs l
 LENGTHS = (1, 9, 30, 5, 17)  # the 1-token prompt starts from a zero state in a batched row
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny ops: on a busy 2-core machine intra-op threads only spin and wait
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(
