@@ -140,10 +140,16 @@ class EngineLoop:
                 ops = list(self._inbox)
                 self._inbox.clear()
             for fn, fut in ops:
+                # A caller that gave up (a client gone) cancelled its Future before we
+                # got here: skip its work (and a cancelled Future takes no result).
+                if not fut.set_running_or_notify_cancel():
+                    continue
                 try:
-                    fut.set_result(fn())
+                    result = fn()
                 except BaseException as e:  # reported to whoever posted it
                     fut.set_exception(e)
+                else:
+                    fut.set_result(result)
             if ops:  # a step that ended while they were posted may have marked us stalled
                 self._stalled = False
             if time.monotonic() >= next_tick:
@@ -180,6 +186,12 @@ class EngineLoop:
             sink(out)
 
     def _fail_remaining(self) -> None:
+        with self._cond:  # posted after the last round: their callers must not wait on
+            ops = list(self._inbox)
+            self._inbox.clear()
+        for _, fut in ops:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the engine loop is stopped"))
         for sink in self._sinks.values():
             sink(RequestFailed("the worker is shutting down"))
         self._sinks.clear()
