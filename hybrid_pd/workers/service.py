@@ -224,13 +224,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     "(cancel your own call to stop it)",
                 )
             return pb.AbortReply(ok=True)
-        req = await asyncio.wrap_future(self.w.loop.abort(request.request_id))
+        # shielded: the abort completes even if its caller stops waiting for the answer
+        found = await asyncio.shield(asyncio.ensure_future(self._abort(request.request_id)))
+        return pb.AbortReply(ok=found)
+
+    async def _abort(self, request_id: str) -> bool:
+        req = await asyncio.wrap_future(self.w.loop.abort(request_id))
         found = req is not None
         if self.w.decode is not None:
             self.w.decode.dropped(req)
         if self.w.prefill is not None:
-            found = self.w.prefill.abort(request.request_id) or found
-        return pb.AbortReply(ok=found)
+            found = self.w.prefill.abort(request_id) or found
+        return found
 
     async def Stats(self, request, context):
         return stats_to_pb(self.w.stats())
