@@ -28,10 +28,9 @@ def _hold(loop: EngineLoop) -> threading.Event:
     """Keeps the engine thread busy in a posted call until the returned event is set."""
     busy, release = threading.Event(), threading.Event()
 
-    def hold() -> str:
+    def hold() -> None:
         busy.set()
         release.wait(10)
-        return "held"
 
     loop.post(hold)
     assert busy.wait(10)

@@ -27,12 +27,12 @@ def test_embedded_decode_slots_know_every_prefill_control_address(tmp_path):
 
 
 def test_worker_host_is_the_peers_host(tmp_path):
-    slots = _slots(tmp_path, worker_host="10.1.2.3", address="10.1.2.3:6379")
+    slots = _slots(tmp_path, worker_host="127.0.0.2", address="127.0.0.2:6379")
     port = slots[("prefill", 0)]["control_port"]
-    assert slots[("decode", 0)]["peers"] == (f"10.1.2.3:{port}",)
+    assert slots[("decode", 0)]["peers"] == (f"127.0.0.2:{port}",)
 
 
 def test_cluster_decode_slots_wait_for_the_prefill_actors(tmp_path):
-    slots = _slots(tmp_path, address="10.1.2.3:6379")
+    slots = _slots(tmp_path, address="127.0.0.2:6379")
     assert slots[("prefill", 0)]["host"] == "auto"
     assert "peers" not in slots[("decode", 0)]
