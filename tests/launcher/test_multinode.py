@@ -31,9 +31,12 @@ def test_multinode_cluster_50_concurrent_requests(tmp_path):
         "HYBRID_PD_CACHE": str(tmp_path),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "token",
+        # The cluster's own token, given to every node and the driver (nothing in ~/.ray:
+        # a fresh machine has none there, and the test leaves the user's files alone).
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
         # Joining a cluster needs a control-plane secret: the driver reads it from here.
         "HYBRID_PD_SECRET": secrets.token_urlsafe(32),
-    }  # joining nodes present the token of ~/.ray
+    }
     hosts = NetnsHosts(["head", "prefill", "decode"])
     head = f"{hosts.ip['head']}:6379"
     try:

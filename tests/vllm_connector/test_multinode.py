@@ -32,6 +32,7 @@ def test_vllm_pools_on_a_cluster(tmp_path):
         "HYBRID_PD_CACHE": str(tmp_path),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),  # the cluster's own, not ~/.ray's
         "HYBRID_PD_SECRET": secrets.token_urlsafe(32),
     }
     cpus = sorted(os.sched_getaffinity(0))
