@@ -168,6 +168,7 @@ class KVControlServicer(pb_grpc.KVControlServicer):
             engine_id=self.engine_id,
             layout=layout_to_pb(self.layout),
             ucx_address=self.ucx_address,
+            scatter_gather=True,
         )
 
     async def _need_prefill(self, context):
@@ -189,6 +190,7 @@ class KVControlServicer(pb_grpc.KVControlServicer):
                     request.tag,
                     timeout=timeout,
                     skip=list(request.skip_blocks),
+                    message_regions=list(request.message_regions),
                 ),
             )
         except Exception as e:  # reported to the caller; the lease stays until released

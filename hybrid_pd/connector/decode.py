@@ -26,7 +26,14 @@ from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.base import LoadResult, TransferFailed
 from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
 from hybrid_pd.connector.layout import KVLayout
-from hybrid_pd.connector.segments import PagedPlan, TransferPlan
+from hybrid_pd.connector.segments import (
+    MESSAGE_MAX_BYTES,
+    MESSAGE_MAX_REGIONS,
+    PagedPlan,
+    TransferPlan,
+    group_regions,
+    pack_messages,
+)
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 from hybrid_pd.proto import kv_control_pb2 as pb
 from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
@@ -47,6 +54,7 @@ class _Peer:
     stub: pb_grpc.KVControlStub
     ucx_address: bytes
     engine_id: str
+    scatter_gather: bool  # takes several regions per message (PullRequest.message_regions)
 
 
 class DecodeConnector:
@@ -62,10 +70,16 @@ class DecodeConnector:
         timeout_s: float = 30.0,
         max_parallel_pulls: int = 8,
         peers: tuple[str, ...] = (),
+        scatter_gather: bool = True,
+        message_max_bytes: int = MESSAGE_MAX_BYTES,
+        message_max_regions: int = MESSAGE_MAX_REGIONS,
     ) -> None:
         """`peers`: control addresses of the prefill workers this worker may dial (more
         come through `add_peers`); kv_transfer_params naming any other address fail.
-        `region(first_block, n)` or `plan`: as for PrefillConnector."""
+        `region(first_block, n)` or `plan`: as for PrefillConnector. `scatter_gather`:
+        pack a transfer's regions (runs of blocks) into few UCX messages, each at most
+        `message_max_regions` regions and `message_max_bytes` bytes (CPU pools, and peers
+        that take it); off: one message per region."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
@@ -80,6 +94,9 @@ class DecodeConnector:
         self._lock = threading.Lock()
         # Tags: a random per-connector base plus a counter, 2**16 messages per transfer.
         self._tag_base = secrets.randbits(24) << 40
+        self.scatter_gather = scatter_gather
+        self.message_max_bytes = message_max_bytes
+        self.message_max_regions = message_max_regions
         self._counter = itertools.count()
         self.stats: dict = {
             "pulls": 0,
@@ -203,10 +220,22 @@ class DecodeConnector:
             raise TransferFailed(
                 f"prefill worker {address} refused the handshake: {diff or reply.error}"
             )
-        peer = _Peer(channel, stub, reply.ucx_address, reply.engine_id)
+        peer = _Peer(channel, stub, reply.ucx_address, reply.engine_id, reply.scatter_gather)
         with self._lock:
             self._peers.setdefault(address, peer)
         return peer
+
+    def _packing(self, peer: _Peer, regions: Sequence) -> list[int]:
+        """Regions per message, or [] for one message per region."""
+        if not (self.scatter_gather and peer.scatter_gather) or len(regions) < 2:
+            return []
+        if any(r.device.type != "cpu" for r in regions):
+            return []  # scatter-gather between GPUs is not checked yet
+        return pack_messages(
+            [r.numel() * r.element_size() for r in regions],
+            self.message_max_bytes,
+            self.message_max_regions,
+        )
 
     def _stub(self, address: str) -> pb_grpc.KVControlStub:
         """A control stub for calls that move no KV (Abort), made without a handshake: a
@@ -255,10 +284,12 @@ class DecodeConnector:
             regions = self._plan.dst_regions(self._plan.runs(src, dst))
         except ValueError as e:
             raise TransferFailed(f"kv_transfer_params do not fit this request: {e}") from e
-        if len(regions) >= 1 << 16:
+        packing = self._packing(peer, regions)
+        messages = group_regions(regions, packing) if packing else regions
+        if len(messages) >= 1 << 16:
             raise TransferFailed("transfer too fragmented (over 65536 messages)")
         tag = self._tag_base | (next(self._counter) % (1 << 24)) << 16
-        handle = self.transport.post_recv(peer.ucx_address, tag, regions)
+        handle = self.transport.post_recv(peer.ucx_address, tag, messages)
         try:
             reply = peer.stub.PullKV(
                 pb.PullRequest(
@@ -269,6 +300,7 @@ class DecodeConnector:
                     tag=tag,
                     dst_blocks=[pb.BlockIds(ids=g) for g in dst],
                     skip_blocks=skip,
+                    message_regions=packing,
                 ),
                 timeout=self.timeout_s,
                 metadata=self._metadata,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
-from hybrid_pd.connector.segments import PagedPlan, TransferPlan
+from hybrid_pd.connector.segments import PagedPlan, TransferPlan, group_regions
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 
 logger = logging.getLogger(__name__)
@@ -200,9 +200,12 @@ class PrefillConnector:
         tag: int,
         timeout: float = 30.0,
         skip: Sequence[int] = (),
+        message_regions: Sequence[int] = (),
     ) -> PullResult:
         """Send the request's kept blocks to `peer` into `dst_blocks` (per group). `skip[g]`:
-        decode holds group g's first kept blocks already; only the rest are sent."""
+        decode holds group g's first kept blocks already; only the rest are sent.
+        `message_regions[i]`: how many regions message i carries (scatter-gather); empty:
+        one message per region."""
         with self._lock:
             self._wait_kept(request_id, timeout)
             lease = self._lease(request_id, token)
@@ -213,9 +216,10 @@ class PrefillConnector:
             regions = self._plan.src_regions(runs)
             if _FAULT == "zero_sends" and _FAULT_MARK in request_id:
                 regions = [r.new_zeros(r.shape) for r in regions]
+            messages = group_regions(regions, message_regions) if message_regions else regions
             if _FAULT == "exit_during_pull":
                 _die_mid_transfer(self.transport, peer, tag, regions)
-            self.transport.send(peer, tag, regions, timeout)
+            self.transport.send(peer, tag, messages, timeout)
         except ValueError as e:
             raise TransferFailed(f"request {request_id}: {e}") from e
         finally:
@@ -228,8 +232,8 @@ class PrefillConnector:
         with self._lock:
             self.stats["pulled"] += 1
             self.stats["bytes_sent"] += nbytes
-            self.stats["messages_sent"] += len(regions)
-        return PullResult(nbytes, len(regions))
+            self.stats["messages_sent"] += len(messages)
+        return PullResult(nbytes, len(messages))
 
     def stats_snapshot(self) -> dict:
         """A consistent copy of `stats`."""

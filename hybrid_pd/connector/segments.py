@@ -1,4 +1,5 @@
-"""Pair source and destination blocks into contiguous runs (one UCX message per run)."""
+"""Pair source and destination blocks into contiguous runs (one region per run), and pack
+regions into UCX messages (several regions per scatter-gather message)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,48 @@ def plan_segments(
         else:
             segments.append(Segment(s, d, 1))
     return segments
+
+
+# Packing of regions into UCX messages (one scatter-gather message carries several regions).
+MESSAGE_MAX_BYTES = 256 << 20
+MESSAGE_MAX_REGIONS = 1024
+
+
+def pack_messages(
+    sizes: Sequence[int],
+    max_bytes: int = MESSAGE_MAX_BYTES,
+    max_regions: int = MESSAGE_MAX_REGIONS,
+) -> list[int]:
+    """How many consecutive regions (of `sizes` bytes) each message carries: greedy, at most
+    `max_regions` and `max_bytes` per message (a larger region travels alone)."""
+    if max_regions < 1:
+        raise ValueError("max_regions must be at least 1")
+    counts: list[int] = []
+    n = nbytes = 0
+    for size in sizes:
+        if n and (n == max_regions or nbytes + size > max_bytes):
+            counts.append(n)
+            n = nbytes = 0
+        n += 1
+        nbytes += size
+    if n:
+        counts.append(n)
+    return counts
+
+
+def group_regions(regions: Sequence[Any], counts: Sequence[int]) -> list[Any]:
+    """The transport's messages: `counts[i]` consecutive regions as one list each (a list
+    of one stays a list: the receiver posted a scatter-gather message for it)."""
+    if any(c < 1 for c in counts) or sum(counts) != len(regions):
+        raise ValueError(
+            f"message packing covers {sum(counts)} regions in {len(counts)} messages, "
+            f"the transfer has {len(regions)}"
+        )
+    out, i = [], 0
+    for c in counts:
+        out.append(list(regions[i : i + c]))
+        i += c
+    return out
 
 
 class TransferPlan(Protocol):

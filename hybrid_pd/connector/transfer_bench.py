@@ -6,6 +6,8 @@ keeps a synthetic request's blocks exactly as the engine would (prefill allocati
 out-of-window release) and this side pulls them through the real control and data planes.
 Next to each figure: raw ucxx bandwidth of one buffer of the same total size between the
 same two processes, and their ratio. No model weights are needed: only the layout is real.
+Each kept page starts with its block id on the prefill side; `intact` says every pulled page
+arrived with the id of the block it was paired with.
 
 With `churn` > 0 both sides first run that many mixed requests through their own
 KVCacheManager (`kvcache.churn`: random lengths, random free order, prefix caching on as
@@ -31,7 +33,7 @@ from hybrid_pd.kvcache.churn import churn as run_churn
 from hybrid_pd.kvcache.config import KVCacheConfig
 from hybrid_pd.kvcache.grouping import HMAOffError, plan_groups
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
-from hybrid_pd.kvcache.ids import RequestId
+from hybrid_pd.kvcache.ids import NULL_BLOCK_ID, RequestId
 from hybrid_pd.kvcache.manager import KVCacheManager
 from hybrid_pd.kvcache.reference_configs import reference_config
 from hybrid_pd.proto import kv_control_pb2_grpc
@@ -106,9 +108,9 @@ def _prefill_child(conn, model: str, max_len: int, ucx: dict, churn: int, seed: 
                         raise RuntimeError("bench pool too small")
                     kv.commit_computed(rid_, start + step)
                 kv.release_out_of_window(rid_)
-                _, params = conn_.request_finished_all_groups(
-                    _Req(rid, n), kv.block_ids(RequestId(rid))
-                )
+                ids = kv.block_ids(rid_)
+                _stamp(pool, [b for g in ids for b in g if b != NULL_BLOCK_ID])
+                _, params = conn_.request_finished_all_groups(_Req(rid, n), ids)
                 conn.send(params)
             elif cmd == "raw":
                 peer, tag, nbytes, repeats = args
@@ -127,6 +129,26 @@ def _prefill_child(conn, model: str, max_len: int, ucx: dict, churn: int, seed: 
         transport.close()
 
 
+_STAMP = 8  # each kept page starts with its block id (int64) on the prefill side
+
+
+def _stamp(pool: torch.Tensor, ids: list[int]) -> None:
+    idx = torch.tensor(ids, dtype=torch.int64)
+    pool[idx, :_STAMP] = idx.view(torch.uint8).view(len(ids), _STAMP)
+
+
+def _intact(pool: torch.Tensor, src: tuple, dst: tuple) -> bool:
+    """Whether every destination page carries the stamp of its source block."""
+    pairs = [
+        (s, d)
+        for gs, gd in zip(src, dst, strict=True)
+        for s, d in zip(gs, [b for b in gd if b != NULL_BLOCK_ID], strict=True)
+    ]
+    want = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
+    got = pool[[d for _, d in pairs], :_STAMP].contiguous().view(torch.int64).view(-1)
+    return bool(torch.equal(got, want))
+
+
 def bench_transfer(
     model: str = "qwen3.5-27b",
     lengths: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768),
@@ -134,9 +156,11 @@ def bench_transfer(
     ucx_tls: str | None = None,
     churn: int = 0,
     seed: int = 0,
+    scatter_gather: bool = True,
 ) -> dict[str, Any]:
     """Bandwidth rows per length (see the module docstring). `messages_per_request` is the
-    mean over the repeats; `leaked_blocks` counts blocks the measured requests left held."""
+    mean over the repeats; `leaked_blocks` counts blocks the measured requests left held.
+    `scatter_gather`: the decode side packs regions into scatter-gather messages."""
     max_len = max(lengths)
     config, spec = _config(model, max_len)
     ucx = {"NET_DEVICES": "lo"}
@@ -163,12 +187,14 @@ def bench_transfer(
             transport=transport,
             region=lambda b, k: pool[b : b + k],
             timeout_s=_TIMEOUT,
+            scatter_gather=scatter_gather,
         )
         try:
             off = plan_groups(spec, hma=False, block_size=config.block_size)
         except HMAOffError:
             off = None
         rows = []
+        intact = True
         tag = 1 << 50
         for n in (min(lengths), *lengths):  # the first run warms up endpoints and pages
             times, messages = [], []
@@ -178,7 +204,9 @@ def bench_transfer(
                 decode.add_peers([params.control_address])
                 rid = RequestId(params.request_id)
                 ids = kv.allocate_external(rid, list(range(n + 1)), n)
+                pool[[b for g in ids for b in g if b != NULL_BLOCK_ID], :_STAMP] = 0
                 stats = decode.pull(params, ids)
+                intact = intact and _intact(pool, params.block_ids, ids)
                 times.append(stats.seconds)
                 messages.append(stats.messages)
                 nbytes = stats.bytes
@@ -219,9 +247,11 @@ def bench_transfer(
             "num_groups": len(config.groups),
             "ucx": ucx,
             "churn": churn,
+            "scatter_gather": scatter_gather,
             "prefix_caching": churn > 0,
             "hma_off_error": None if off else "state layers: the model cannot run with HMA off",
             "runs": rows[1:],
+            "intact": intact,  # every pulled page held its source block's stamp
             "leaked_blocks": {
                 "prefill": prefill_leaks,
                 "decode": n_blocks - 1 - kv.pool.num_free_blocks - held_after_churn,

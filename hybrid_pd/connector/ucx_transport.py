@@ -8,12 +8,14 @@ worker address, bytes) to peers; then
                ...  (tell the sender to go, over gRPC)
                handle.wait(timeout)
 
-Region i travels as one message with tag `tag + i`, straight from the source tensor into the
-destination tensor (UCX rendezvous: the receiver reads the sender's memory with CMA on one
-host, cuda_ipc between GPUs; no staging copy). Regions are contiguous tensors of any dtype,
-on CPU or CUDA; region i on both sides must have the same number of bytes (a longer message
-fails with TransferError; a shorter one is NOT detected by UCX, so the plan on both sides must
-agree; the connector derives both from the same block runs).
+Entry i travels as one message with tag `tag + i`, straight from the source tensors into the
+destination tensors (UCX rendezvous: the receiver reads the sender's memory with CMA on one
+host, cuda_ipc between GPUs; no staging copy). An entry is a contiguous tensor of any dtype,
+on CPU or CUDA, or a list of them: one scatter-gather message (UCX's IOV datatype), so a
+transfer of thousands of scattered blocks costs a few messages instead of one each. Entry i
+on both sides must have the same number of bytes, however each side splits it into tensors
+(a longer message fails with TransferError; a shorter one is NOT detected by UCX, so the plan
+on both sides must agree; the connector derives both from the same block runs).
 
 Threading. All UCX calls run in one asyncio event loop owned by the transport (a daemon
 thread); the public methods are plain blocking calls, safe from any number of threads (gRPC
@@ -203,6 +205,9 @@ _UCS_OK = 0
 _UCS_INPROGRESS = 1
 _UCS_ERR_MESSAGE_TRUNCATED = -9
 _STATUS_SPAN = 1 << 64
+_UCP_OP_ATTR_FIELD_DATATYPE = 1 << 3
+_UCP_DATATYPE_IOV = 2
+_PARAM_DATATYPE_OFFSET = 24  # ucp_request_param_t: mask, flags, request, cb, datatype
 
 
 class _Ucp:
@@ -254,6 +259,14 @@ class _Ucp:
         self.free = lib.ucp_request_free
         self._param = ctypes.create_string_buffer(self.PARAM_BYTES)
         self.param = ctypes.addressof(self._param)
+        # the same, but for a scatter-gather message: `buffer` points at `count`
+        # ucp_dt_iov_t {void *buffer; size_t length} entries (datatype UCP_DATATYPE_IOV)
+        self._iov_param = ctypes.create_string_buffer(self.PARAM_BYTES)
+        ctypes.c_uint32.from_buffer(self._iov_param, 0).value = _UCP_OP_ATTR_FIELD_DATATYPE
+        ctypes.c_uint64.from_buffer(
+            self._iov_param, _PARAM_DATATYPE_OFFSET
+        ).value = _UCP_DATATYPE_IOV
+        self.iov_param = ctypes.addressof(self._iov_param)
 
 
 def _ptr_status(v: int | None) -> tuple[int, int]:
@@ -318,20 +331,57 @@ def _sync(regions: list[torch.Tensor]) -> None:
         torch.cuda.current_stream(d).synchronize()
 
 
-def _pointers(regions: list[torch.Tensor]) -> tuple[list[int], list[int]]:
-    """(addresses, byte sizes) of contiguous CPU or CUDA tensors; synchronizes CUDA."""
-    ptrs, sizes = [], []
+def _check_region(r: Any) -> int:
+    """The byte size of a region UCX may read or write in place."""
+    if not isinstance(r, torch.Tensor):
+        raise TypeError(f"regions must be torch tensors, not {type(r).__name__}")
+    if not r.is_contiguous():
+        raise ValueError("regions must be contiguous tensors")
+    if r.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"regions on {r.device} are not supported (CPU or CUDA only)")
+    return r.numel() * r.element_size()
+
+
+@dataclass
+class _Messages:
+    """What the loop thread posts, one entry per message: the address and count handed to
+    UCX (bytes of a contiguous region, or entries of a scatter-gather list), whether it is a
+    scatter-gather list, and its bytes."""
+
+    ptrs: list[int]
+    counts: list[int]
+    iov: list[bool]
+    sizes: list[int]
+    keep: list[Any]  # the tensors and iov arrays, alive while UCX may touch them
+
+
+def _messages(regions: list[Any]) -> _Messages:
+    """Message i is `regions[i]`: a contiguous CPU or CUDA tensor, or a list of them moved as
+    one scatter-gather message (UCP_DATATYPE_IOV). Synchronizes CUDA."""
+    m = _Messages([], [], [], [], list(regions))
+    flat: list[torch.Tensor] = []
     for r in regions:
-        if not isinstance(r, torch.Tensor):
-            raise TypeError(f"regions must be torch tensors, not {type(r).__name__}")
-        if not r.is_contiguous():
-            raise ValueError("regions must be contiguous tensors")
-        if r.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"regions on {r.device} are not supported (CPU or CUDA only)")
-        ptrs.append(r.data_ptr())
-        sizes.append(r.numel() * r.element_size())
-    _sync(regions)
-    return ptrs, sizes
+        if isinstance(r, (list, tuple)):
+            if not r:
+                raise ValueError("a scatter-gather message needs at least one region")
+            iov = np.empty((len(r), 2), dtype=np.uint64)
+            for j, part in enumerate(r):
+                iov[j] = (part.data_ptr(), _check_region(part))
+            m.ptrs.append(iov.ctypes.data)
+            m.counts.append(len(r))
+            m.iov.append(True)
+            m.sizes.append(int(iov[:, 1].sum()))
+            m.keep.append(iov)
+            flat += r
+        else:
+            n = _check_region(r)
+            m.ptrs.append(r.data_ptr())
+            m.counts.append(n)
+            m.iov.append(False)
+            m.sizes.append(n)
+            flat.append(r)
+    _sync(flat)
+    return m
 
 
 # -- operations -------------------------------------------------------------------------------
@@ -669,25 +719,26 @@ class UcxTransport:
         s["drain_pending"] = len(self._drain)
         return s
 
-    def send(self, peer: bytes, tag: int, regions: list[torch.Tensor], timeout: float) -> None:
-        """Send region i as one message with tag `tag + i` to the worker at `peer`; blocks
-        until all are delivered. Raises TransferError on failure or timeout."""
+    def send(self, peer: bytes, tag: int, regions: list, timeout: float) -> None:
+        """Send entry i (a tensor, or a list of tensors as one scatter-gather message) as one
+        message with tag `tag + i` to the worker at `peer`; blocks until all are delivered.
+        Raises TransferError on failure or timeout."""
         self._check_open()
         peer = bytes(peer)
         tags = wire_tags(self._address, tag, len(regions))
-        ptrs, sizes = _pointers(regions)
+        msgs = _messages(regions)
         if not regions:
             return
-        self._call(self._send_async(peer, tags, ptrs, sizes, list(regions), timeout), timeout)
+        self._call(self._send_async(peer, tags, msgs, timeout), timeout)
 
-    def post_recv(self, peer: bytes, tag: int, regions: list[torch.Tensor]) -> RecvHandle:
-        """Post receives of messages `tag + i` from `peer` straight into `regions[i]`; returns
-        once they are posted (not received)."""
+    def post_recv(self, peer: bytes, tag: int, regions: list) -> RecvHandle:
+        """Post receives of messages `tag + i` from `peer` straight into `regions[i]` (a
+        tensor, or a list of tensors filled in order); returns once they are posted (not
+        received)."""
         self._check_open()
         peer = bytes(peer)
         tags = wire_tags(peer, tag, len(regions))
-        ptrs, sizes = _pointers(regions)
-        op = self._call(self._post_recv_async(peer, tags, ptrs, sizes, list(regions)), 0.0)
+        op = self._call(self._post_recv_async(peer, tags, _messages(regions)), 0.0)
         return RecvHandle(self, op)
 
     def discard(self, peer: bytes, tag: int, count: int) -> None:
@@ -856,19 +907,17 @@ class UcxTransport:
         self,
         peer: bytes,
         tags: list[int],
-        ptrs: list[int],
-        sizes: list[int],
-        keep: list[Any],
+        msgs: _Messages,
         timeout: float,
     ) -> None:
         ucp = self._ucx.ucp
-        op = self._new_op("send", peer, tags, sizes, keep)
+        op = self._new_op("send", peer, tags, msgs.sizes, msgs.keep)
         try:
             eph = self._endpoint(peer).handle
-            send, param = ucp.tag_send, ucp.param
+            send, params = ucp.tag_send, (ucp.param, ucp.iov_param)
             reqs, statuses = op.requests, op.statuses
-            for t, p, n in zip(tags, ptrs, sizes, strict=True):
-                r, st = _ptr_status(send(eph, p, n, t, param))
+            for t, p, n, iov in zip(tags, msgs.ptrs, msgs.counts, msgs.iov, strict=True):
+                r, st = _ptr_status(send(eph, p, n, t, params[iov]))
                 reqs.append(r)
                 statuses.append(st)
                 if st < 0:
@@ -884,22 +933,20 @@ class UcxTransport:
             raise error
         if op in self._ops:
             self._ops.discard(op)
-            self._count("messages_sent", len(tags), "bytes_sent", sum(sizes))
+            self._count("messages_sent", len(tags), "bytes_sent", sum(msgs.sizes))
 
-    async def _post_recv_async(
-        self, peer: bytes, tags: list[int], ptrs: list[int], sizes: list[int], keep: list[Any]
-    ) -> _Op:
+    async def _post_recv_async(self, peer: bytes, tags: list[int], msgs: _Messages) -> _Op:
         ucp = self._ucx.ucp
-        op = self._new_op("recv", peer, tags, sizes, keep)
+        op = self._new_op("recv", peer, tags, msgs.sizes, msgs.keep)
         try:
             wh = self._worker.handle
-            recv, param, drain = ucp.tag_recv, ucp.param, self._drain
+            recv, params, drain = ucp.tag_recv, (ucp.param, ucp.iov_param), self._drain
             reqs, statuses = op.requests, op.statuses
             full = TAG_SPACE - 1
-            for t, p, n in zip(tags, ptrs, sizes, strict=True):
+            for t, p, n, iov in zip(tags, msgs.ptrs, msgs.counts, msgs.iov, strict=True):
                 if drain:
                     drain.pop(t, None)  # a new receive takes the tag back from draining
-                r, st = _ptr_status(recv(wh, p, n, t, full, param))
+                r, st = _ptr_status(recv(wh, p, n, t, full, params[iov]))
                 reqs.append(r)
                 statuses.append(st)
                 if st < 0:

@@ -71,6 +71,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="mixed requests run through both pools before measuring (fragmentation)",
     )
     t.add_argument("--seed", type=int, default=0, help="seed of the churn")
+    t.add_argument(
+        "--no-scatter-gather",
+        dest="scatter_gather",
+        action="store_false",
+        help="one UCX message per run of blocks (the hand-over before scatter-gather messages)",
+    )
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_bench_transfer)
     from hybrid_pd.launcher.bench_load import add_load_parser
@@ -384,7 +390,13 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
     if args.churn < 0:
         raise SystemExit("--churn must be >= 0")
     result = bench_transfer(
-        args.model, lengths, args.repeats, args.ucx_tls, churn=args.churn, seed=args.seed
+        args.model,
+        lengths,
+        args.repeats,
+        args.ucx_tls,
+        churn=args.churn,
+        seed=args.seed,
+        scatter_gather=args.scatter_gather,
     )
     if args.json:
         print(json.dumps(result, indent=2))

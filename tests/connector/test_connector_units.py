@@ -12,7 +12,7 @@ from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.base import SupportsHMA, TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import PrefillConnector
-from hybrid_pd.connector.segments import Segment, plan_segments
+from hybrid_pd.connector.segments import Segment, group_regions, pack_messages, plan_segments
 from hybrid_pd.kvcache.grouping import plan_groups
 from hybrid_pd.kvcache.specs import (
     FullAttentionSpec,
@@ -42,6 +42,35 @@ def test_segments_merge_runs_across_groups():
         plan_segments([[1], [2, 3]], [[1], [2]])
     with pytest.raises(ValueError, match="groups"):
         plan_segments([[1]], [[1], [2]])
+
+
+def test_pack_messages_bounds_bytes_and_regions():
+    assert pack_messages([10] * 7, max_bytes=100, max_regions=3) == [3, 3, 1]
+    assert pack_messages([40, 40, 40, 10], max_bytes=100, max_regions=8) == [2, 2]
+    assert pack_messages([500, 10, 10], max_bytes=100, max_regions=8) == [1, 2]  # alone
+    assert pack_messages([], max_bytes=100) == []
+    with pytest.raises(ValueError):
+        pack_messages([1], max_regions=0)
+    regions = list("abcdef")
+    assert group_regions(regions, [1, 3, 2]) == [["a"], ["b", "c", "d"], ["e", "f"]]
+    for bad in ([1, 3], [1, 3, 3], [0, 6]):
+        with pytest.raises(ValueError, match="message packing"):
+            group_regions(regions, bad)
+
+
+def test_pull_packs_regions_as_decode_says():
+    """`message_regions` from the puller: message i is a list of that many regions; a
+    packing that does not cover the transfer sends nothing."""
+    conn, _ = _late_keeper(keep_wait_s=0.0)
+    conn.keep("r", "tok", ((1, 3, 5), (9,)))
+    for bad in ([2, 3], [5]):
+        with pytest.raises(TransferFailed, match="message packing"):
+            conn.pull("r", "tok", [[20, 22, 24], [30]], b"peer", 64, message_regions=bad)
+    assert not conn.transport.sent
+    res = conn.pull("r", "tok", [[20, 22, 24], [30]], b"peer", 64, message_regions=[3, 1])
+    assert res.messages == 2 and res.bytes == 4 * conn.layout.page_size_bytes
+    assert conn.transport.sent[0][2] == [[(1, 1), (3, 1), (5, 1)], [(9, 1)]]
+    assert conn.stats["messages_sent"] == 2
 
 
 def test_params_round_trip_and_validation():

@@ -28,8 +28,13 @@ def _pattern(seed: int) -> torch.Tensor:
     return torch.randint(1, 256, (N_BLOCKS, PAGE), generator=g, dtype=torch.uint8)
 
 
-def _regions(pool: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
-    return [pool[start : start + n] for start, n in runs]
+def _regions(pool: torch.Tensor, runs: list) -> list:
+    """One tensor per (start, n) run; a list of runs is one scatter-gather message."""
+    return [_regions(pool, run) if isinstance(run, list) else _run(pool, *run) for run in runs]
+
+
+def _run(pool: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    return pool[start : start + n]
 
 
 def _peer_main(conn) -> None:
@@ -162,6 +167,38 @@ def test_noncontiguous_regions_land_exactly(peer, local):
     assert torch.equal(after, expected)  # moved regions equal, untouched blocks unchanged
     s = local.stats()
     assert s["messages_sent"] >= 4 and s["bytes_sent"] >= 9 * PAGE
+
+
+def test_scatter_gather_messages_land_exactly(peer, local):
+    """Several regions per message (UCX IOV) on both sides, split differently on each:
+    only each message's total bytes must agree."""
+    pool = _pattern(2)
+    peer.ask("fill", 0)
+    before = peer.ask("pool")
+    src = [[(1, 2), (7, 1)], [(12, 5)], [(30, 1), (4, 1), (9, 2)]]
+    dst = [[(20, 1), (3, 2)], [(25, 4), (16, 1)], [(0, 1), (10, 3)]]
+    sent = local.stats()["messages_sent"]
+    tag = next_tag()
+    peer.ask("post", local.address, tag, dst)
+    local.send(peer.address, tag, _regions(pool, src), timeout=10)
+    peer.ask("wait", tag, 10)
+    after = peer.ask("pool")
+    flat_src = torch.cat([pool[s : s + n] for msg in src for s, n in msg])
+    flat_dst = [d + i for msg in dst for d, n in msg for i in range(n)]
+    expected = before.clone()
+    expected[flat_dst] = flat_src
+    assert torch.equal(after, expected)
+    assert local.stats()["messages_sent"] - sent == 3
+
+
+def test_scatter_gather_larger_than_destination_fails(peer, local):
+    dst = torch.zeros(3, PAGE, dtype=torch.uint8)
+    tag = next_tag()
+    handle = local.post_recv(peer.address, tag, [[dst[0], dst[2]]])
+    peer.ask("send", local.address, tag, [[(0, 1), (5, 1), (9, 1)]], 10)
+    with pytest.raises(TransferError, match="larger"):
+        handle.wait(10)
+    assert torch.count_nonzero(dst[1]) == 0  # the gap between the entries is not written
 
 
 def test_bidirectional_exchange(peer, local):
@@ -338,3 +375,7 @@ def test_bad_regions_and_tags_rejected(local):
         local.send(local.address, (1 << 64) - 1, [torch.zeros(1), torch.zeros(1)], 1)
     with pytest.raises(TypeError):
         local.send(local.address, 0, [b"bytes"], 1)
+    with pytest.raises(ValueError, match="at least one region"):
+        local.send(local.address, 0, [[]], 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        local.send(local.address, 0, [[torch.zeros(4, 4).t()]], 1)
