@@ -3,9 +3,12 @@ regions into UCX messages (several regions per scatter-gather message)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -25,20 +28,25 @@ def plan_segments(
     """
     if len(src_groups) != len(dst_groups):
         raise ValueError(f"{len(src_groups)} source groups but {len(dst_groups)} destination")
-    pairs = []
     for g, (s, d) in enumerate(zip(src_groups, dst_groups, strict=True)):
         if len(s) != len(d):
             raise ValueError(f"group {g}: {len(s)} source blocks but {len(d)} destination")
-        pairs += zip(s, d, strict=True)
-    pairs.sort()
-    segments: list[Segment] = []
-    for s, d in pairs:
-        last = segments[-1] if segments else None
-        if last and s == last.src + last.length and d == last.dst + last.length:
-            segments[-1] = Segment(last.src, last.dst, last.length + 1)
-        else:
-            segments.append(Segment(s, d, 1))
-    return segments
+    src = np.fromiter(itertools.chain.from_iterable(src_groups), dtype=np.int64)
+    dst = np.fromiter(itertools.chain.from_iterable(dst_groups), dtype=np.int64)
+    order = np.lexsort((dst, src))  # by source id (then destination)
+    src, dst = src[order], dst[order]
+    if not len(src):
+        return []
+    # a run ends where either side's next id is not the next one
+    ends = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], ends)))
+    lengths = np.diff(np.append(starts, len(src)))
+    return [
+        Segment(a, b, n)
+        for a, b, n in zip(
+            src[starts].tolist(), dst[starts].tolist(), lengths.tolist(), strict=True
+        )
+    ]
 
 
 # Packing of regions into UCX messages (one scatter-gather message carries several regions).

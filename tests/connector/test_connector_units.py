@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from dataclasses import replace
@@ -42,6 +43,29 @@ def test_segments_merge_runs_across_groups():
         plan_segments([[1], [2, 3]], [[1], [2]])
     with pytest.raises(ValueError, match="groups"):
         plan_segments([[1]], [[1], [2]])
+
+
+def test_segments_equal_the_pairwise_definition_on_random_pools():
+    """Runs are maximal: sorted by source id, a pair joins the previous run exactly when
+    both ids follow its last pair's."""
+    rng = random.Random(7)
+    for _ in range(200):
+        pool = rng.sample(range(1, 400), rng.randint(0, 120))
+        dst_pool = rng.sample(range(1, 400), len(pool))
+        if rng.random() < 0.5:  # mostly consecutive, as a fresh pool hands them out
+            dst_pool = sorted(dst_pool)
+            pool = sorted(pool)
+        cut = sorted(rng.sample(range(len(pool) + 1), 2)) if pool else [0, 0]
+        src = [pool[: cut[0]], pool[cut[0] : cut[1]], pool[cut[1] :]]
+        dst = [dst_pool[: cut[0]], dst_pool[cut[0] : cut[1]], dst_pool[cut[1] :]]
+        expected: list[Segment] = []
+        for a, b in sorted(zip(pool, dst_pool, strict=True)):
+            last = expected[-1] if expected else None
+            if last and a == last.src + last.length and b == last.dst + last.length:
+                expected[-1] = Segment(last.src, last.dst, last.length + 1)
+            else:
+                expected.append(Segment(a, b, 1))
+        assert plan_segments(src, dst) == expected
 
 
 def test_pack_messages_bounds_bytes_and_regions():
