@@ -11,8 +11,9 @@ worker address, bytes) to peers; then
 Entry i travels as one message with tag `tag + i`, straight from the source tensors into the
 destination tensors (UCX rendezvous: the receiver reads the sender's memory with CMA on one
 host, cuda_ipc between GPUs; no staging copy). An entry is a contiguous tensor of any dtype,
-on CPU or CUDA, or a list of them: one scatter-gather message (UCX's IOV datatype), so a
-transfer of thousands of scattered blocks costs a few messages instead of one each. Entry i
+on CPU or CUDA, or a list of them: one scatter-gather message (UCX's IOV datatype; UCX 1.21
+then has the sender write into the receiver's memory with CMA instead), so a transfer of
+thousands of scattered blocks costs a few messages instead of one each. Entry i
 on both sides must have the same number of bytes, however each side splits it into tensors
 (a longer message fails with TransferError; a shorter one is NOT detected by UCX, so the plan
 on both sides must agree; the connector derives both from the same block runs).
@@ -366,7 +367,8 @@ def _messages(regions: list[Any]) -> _Messages:
                 raise ValueError("a scatter-gather message needs at least one region")
             iov = np.empty((len(r), 2), dtype=np.uint64)
             for j, part in enumerate(r):
-                iov[j] = (part.data_ptr(), _check_region(part))
+                n = _check_region(part)
+                iov[j] = (part.data_ptr(), n)
             m.ptrs.append(iov.ctypes.data)
             m.counts.append(len(r))
             m.iov.append(True)
