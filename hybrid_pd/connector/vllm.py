@@ -387,6 +387,13 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         self.keep_wait_s = float(self.extra.get("keep_wait_s", 10.0))
         self.timeout_s = float(self.extra.get("timeout_s", 30.0))
         self.peers = tuple(self.extra.get("peers", ()))
+        # decode: pack a pull's runs of blocks into a few scatter-gather UCX messages
+        self.scatter_gather = self.extra.get("scatter_gather", True)
+        if not isinstance(self.scatter_gather, bool):
+            raise ValueError(
+                "kv_connector_extra_config.scatter_gather must be true or false, not "
+                f"{self.scatter_gather!r}"
+            )
         self.secret = _secret(self.extra)
         if self.secret is None:
             logger.warning(
@@ -678,6 +685,7 @@ class _WorkerHalf:
                 secret=conn.secret,
                 timeout_s=conn.timeout_s,
                 peers=conn.peers,
+                scatter_gather=conn.scatter_gather,
             )
 
     def _freed(self, request_id: str) -> None:  # lease released, aborted or expired

@@ -34,6 +34,7 @@ class DecodeRole:
         timeout_s: float,
         failure_policy: str,
         peers: tuple[str, ...] = (),
+        scatter_gather: bool = True,
     ) -> None:
         if failure_policy not in POLICIES:
             raise ValueError(f"failure policy must be one of {POLICIES}")
@@ -48,6 +49,7 @@ class DecodeRole:
             secret=secret,
             timeout_s=timeout_s,
             peers=peers,
+            scatter_gather=scatter_gather,
         )
 
     def attach(self, loop: EngineLoop) -> None:

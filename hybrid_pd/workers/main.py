@@ -52,6 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "prefix cache holds (default: pull only what it lacks)",
     )
     p.add_argument(
+        "--no-kv-scatter-gather",
+        dest="kv_scatter_gather",
+        action="store_false",
+        help="decode role: pull each run of blocks as its own UCX message (default: a few "
+        "scatter-gather messages per request)",
+    )
+    p.add_argument(
         "--peer",
         action="append",
         default=[],
@@ -111,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         failure_policy=args.failure_policy,
         transfer_timeout_s=args.transfer_timeout_s,
         ucx_tls=args.ucx_tls,
+        kv_scatter_gather=args.kv_scatter_gather,
         peers=tuple(args.peer),
         max_queued=args.max_queued,
     )

@@ -53,6 +53,8 @@ class WorkerConfig:
     request_timeout_s: float = 300.0
     #: UCX transports (UCX_TLS syntax, e.g. "tcp,self"); None: UCX's choice.
     ucx_tls: str | None = None
+    #: Decode role: pack a pull's runs of blocks into a few scatter-gather UCX messages.
+    kv_scatter_gather: bool = True
     max_queued: int = DEFAULT_MAX_QUEUED
     #: Decode role: prefill workers (control addresses) it may pull from at start; the
     #: proxy adds the rest (AddPeers).
@@ -114,6 +116,7 @@ class Worker:
                 timeout_s=config.transfer_timeout_s,
                 failure_policy=config.failure_policy,
                 peers=tuple(config.peers),
+                scatter_gather=config.kv_scatter_gather,
             )
         connector = KVConnector(
             scheduler=self.prefill.connector if self.prefill else None,

@@ -71,6 +71,26 @@ def test_pd_output_equals_single_engine(arch):
         wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
 
 
+def test_decode_flag_turns_scatter_gather_off(checkpoint):
+    """`--no-kv-scatter-gather`: one UCX message per run of blocks. The same hand-overs are
+    one message each by default (above); the output does not change."""
+    path = checkpoint("gemma3")
+    ref = reference_engine(path)
+    pair = Pair(path, decode_args=["--no-kv-scatter-gather"])
+    try:
+        sampling = sampling_to_pb(SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+        messages = []
+        for i, n in enumerate((9 * MAMBA_CHUNK + 3, 100)):
+            p = prompt(n, seed=i)
+            first = pair.prefill.prefill(f"off-{i}", p, sampling)
+            out = pair.decode.generate(f"off-{i}", p, sampling, first.kv_transfer_params)
+            assert out.error == "" and out.token_ids == reference_tokens(ref, p, N_NEW)
+            messages.append(out.transfer["messages"])
+        assert max(messages) > 1, messages
+    finally:
+        pair.close()
+
+
 # One family per kind of cache group mix (the engine-level test covers every family).
 FOLLOW_UP_FAMILIES = {"gemma3", "mistral", "qwen3_5", "granite_hybrid", "falcon_h1"}
 
