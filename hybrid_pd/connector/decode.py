@@ -33,6 +33,7 @@ from hybrid_pd.connector.segments import (
     TransferPlan,
     group_regions,
     pack_messages,
+    split_iov,
 )
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 from hybrid_pd.proto import kv_control_pb2 as pb
@@ -225,17 +226,24 @@ class DecodeConnector:
             self._peers.setdefault(address, peer)
         return peer
 
-    def _packing(self, peer: _Peer, regions: Sequence) -> list[int]:
-        """Regions per message, or [] for one message per region."""
-        if not (self.scatter_gather and peer.scatter_gather) or len(regions) < 2:
-            return []
-        if any(r.device.type != "cpu" for r in regions):
-            return []  # scatter-gather between GPUs is not checked yet
-        return pack_messages(
-            [r.numel() * r.element_size() for r in regions],
-            self.message_max_bytes,
-            self.message_max_regions,
-        )
+    def _messages(self, peer: _Peer, runs: Sequence) -> tuple[list, list[int]]:
+        """(the transport's messages to receive into, the packing the prefill side is told:
+        regions per message, or [] for one message per region)."""
+        packs = self.scatter_gather and peer.scatter_gather
+        if packs and isinstance(self._plan, PagedPlan) and runs:
+            found = self._plan.iov(runs, "dst")  # one pool: rows, not a tensor per run
+            if found is not None:
+                iov, pool = found
+                packing = self._pack(iov[:, 1].tolist())
+                return split_iov(iov, pool, packing), packing
+        regions = self._plan.dst_regions(runs)
+        if not packs or len(regions) < 2 or any(r.device.type != "cpu" for r in regions):
+            return regions, []  # scatter-gather between GPUs is not checked yet
+        packing = self._pack([r.numel() * r.element_size() for r in regions])
+        return group_regions(regions, packing), packing
+
+    def _pack(self, sizes: list[int]) -> list[int]:
+        return pack_messages(sizes, self.message_max_bytes, self.message_max_regions)
 
     def _stub(self, address: str) -> pb_grpc.KVControlStub:
         """A control stub for calls that move no KV (Abort), made without a handshake: a
@@ -281,11 +289,9 @@ class DecodeConnector:
             dst = [g[n:] for g, n in zip(dst, skip, strict=True)]
             src = tuple(list(g[n:]) for g, n in zip(src, skip, strict=False))
         try:
-            regions = self._plan.dst_regions(self._plan.runs(src, dst))
+            messages, packing = self._messages(peer, self._plan.runs(src, dst))
         except ValueError as e:
             raise TransferFailed(f"kv_transfer_params do not fit this request: {e}") from e
-        packing = self._packing(peer, regions)
-        messages = group_regions(regions, packing) if packing else regions
         if len(messages) >= 1 << 16:
             raise TransferFailed("transfer too fragmented (over 65536 messages)")
         tag = self._tag_base | (next(self._counter) % (1 << 24)) << 16

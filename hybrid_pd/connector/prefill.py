@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
-from hybrid_pd.connector.segments import PagedPlan, TransferPlan, group_regions
+from hybrid_pd.connector.segments import PagedPlan, TransferPlan, group_regions, split_iov
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 
 logger = logging.getLogger(__name__)
@@ -213,12 +213,7 @@ class PrefillConnector:
             lease.expires_at = max(lease.expires_at, self._clock() + self.lease_s)
         try:
             runs = self._plan.runs(_skipped(lease.block_ids, skip), dst_blocks)
-            regions = self._plan.src_regions(runs)
-            if _FAULT == "zero_sends" and _FAULT_MARK in request_id:
-                regions = [r.new_zeros(r.shape) for r in regions]
-            messages = group_regions(regions, message_regions) if message_regions else regions
-            if _FAULT == "exit_during_pull":
-                _die_mid_transfer(self.transport, peer, tag, regions)
+            messages = self._messages(runs, message_regions, request_id, peer, tag)
             self.transport.send(peer, tag, messages, timeout)
         except ValueError as e:
             raise TransferFailed(f"request {request_id}: {e}") from e
@@ -234,6 +229,20 @@ class PrefillConnector:
             self.stats["bytes_sent"] += nbytes
             self.stats["messages_sent"] += len(messages)
         return PullResult(nbytes, len(messages))
+
+    def _messages(self, runs, message_regions, request_id: str, peer: bytes, tag: int) -> list:
+        """What the transport sends: the runs' regions, packed as the puller said (rows of
+        one pool when the plan has them; fault injection works on region tensors)."""
+        if message_regions and not _FAULT and isinstance(self._plan, PagedPlan):
+            found = self._plan.iov(runs, "src")
+            if found is not None:
+                return split_iov(*found, message_regions)
+        regions = self._plan.src_regions(runs)
+        if _FAULT == "zero_sends" and _FAULT_MARK in request_id:
+            regions = [r.new_zeros(r.shape) for r in regions]
+        if _FAULT == "exit_during_pull":
+            _die_mid_transfer(self.transport, peer, tag, regions)
+        return group_regions(regions, message_regions) if message_regions else regions
 
     def stats_snapshot(self) -> dict:
         """A consistent copy of `stats`."""

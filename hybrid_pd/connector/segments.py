@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+import torch
+
+from hybrid_pd.connector.ucx_transport import IovList
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,29 @@ def group_regions(regions: Sequence[Any], counts: Sequence[int]) -> list[Any]:
     return out
 
 
+def split_iov(iov: np.ndarray, owner: torch.Tensor, counts: Sequence[int]) -> list[IovList]:
+    """`group_regions` for (address, bytes) rows: `counts[i]` consecutive rows per message."""
+    if any(c < 1 for c in counts) or sum(counts) != len(iov):
+        raise ValueError(
+            f"message packing covers {sum(counts)} regions in {len(counts)} messages, "
+            f"the transfer has {len(iov)}"
+        )
+    ends = np.cumsum(counts)
+    return [IovList(iov[e - c : e], owner) for c, e in zip(counts, ends.tolist(), strict=True)]
+
+
+class PoolRegions:
+    """`region(first, n)` over one contiguous [num_blocks, page_size_bytes] CPU or CUDA pool,
+    found through `buffer()` (the engine makes its pool after the connector exists). With
+    it a `PagedPlan` describes runs as (address, bytes) rows, without a tensor per run."""
+
+    def __init__(self, buffer: Callable[[], torch.Tensor]) -> None:
+        self.buffer = buffer
+
+    def __call__(self, first: int, n: int) -> torch.Tensor:
+        return self.buffer()[first : first + n]
+
+
 class TransferPlan(Protocol):
     """How one side of a transfer turns block ids into the regions UCX moves.
 
@@ -134,3 +160,27 @@ class PagedPlan:
 
     def nbytes(self, runs: Sequence[Segment]) -> int:
         return sum(s.length for s in runs) * self.page_size_bytes
+
+    def iov(self, runs: Sequence[Segment], side: str) -> tuple[np.ndarray, torch.Tensor] | None:
+        """(address, bytes) rows of this side's runs ("src" or "dst") and the pool they lie
+        in; None unless the regions come from one contiguous CPU pool (`PoolRegions`).
+        Raises ValueError for block ids outside the pool."""
+        if not isinstance(self.region, PoolRegions):
+            return None
+        pool = self.region.buffer()
+        page = self.page_size_bytes
+        if (
+            pool.device.type != "cpu"
+            or pool.dim() != 2
+            or not pool.is_contiguous()
+            or pool.shape[1] * pool.element_size() != page
+        ):
+            return None
+        first = np.fromiter((s.src if side == "src" else s.dst for s in runs), np.int64, len(runs))
+        length = np.fromiter((s.length for s in runs), np.int64, len(runs))
+        if len(runs) and (first.min() < 0 or (first + length).max() > pool.shape[0]):
+            raise ValueError(f"block ids outside the pool of {pool.shape[0]} blocks")
+        iov = np.empty((len(runs), 2), dtype=np.uint64)
+        iov[:, 0] = pool.data_ptr() + first * page
+        iov[:, 1] = length * page
+        return iov, pool

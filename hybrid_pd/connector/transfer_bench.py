@@ -29,6 +29,7 @@ from hybrid_pd.connector.control import AioServer, KVControlServicer
 from hybrid_pd.connector.decode import DecodeConnector
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import PrefillConnector
+from hybrid_pd.connector.segments import PoolRegions
 from hybrid_pd.connector.ucx_transport import UcxTransport, raw_bandwidth
 from hybrid_pd.kvcache.churn import churn as run_churn
 from hybrid_pd.kvcache.config import KVCacheConfig
@@ -91,7 +92,7 @@ def _prefill_child(conn, model: str, max_len: int, ucx: dict, churn: int, seed: 
         layout=layout,
         control_address=f"127.0.0.1:{port}",
         free_blocks=lambda rid: kv.free(RequestId(rid)),
-        region=lambda b, k: pool[b : b + k],
+        region=PoolRegions(lambda: pool),
         transport=transport,
     )
     servicer = KVControlServicer("bench-prefill", layout, transport.address, conn_)
@@ -188,7 +189,7 @@ def bench_transfer(
             engine_id="bench-decode",
             layout=KVLayout.of(config, model),
             transport=transport,
-            region=lambda b, k: pool[b : b + k],
+            region=PoolRegions(lambda: pool),
             timeout_s=_TIMEOUT,
             scatter_gather=scatter_gather,
         )

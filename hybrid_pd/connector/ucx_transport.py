@@ -343,6 +343,16 @@ def _check_region(r: Any) -> int:
     return r.numel() * r.element_size()
 
 
+@dataclass(frozen=True)
+class IovList:
+    """One scatter-gather message given as raw entries: `iov` [n, 2] uint64 rows of (address,
+    bytes) inside `owner`'s CPU memory, which the caller vouches for (the transport keeps
+    `owner` alive while UCX may touch it). Built without a tensor per entry."""
+
+    iov: np.ndarray
+    owner: torch.Tensor
+
+
 @dataclass
 class _Messages:
     """What the loop thread posts, one entry per message: the address and count handed to
@@ -357,12 +367,24 @@ class _Messages:
 
 
 def _messages(regions: list[Any]) -> _Messages:
-    """Message i is `regions[i]`: a contiguous CPU or CUDA tensor, or a list of them moved as
-    one scatter-gather message (UCP_DATATYPE_IOV). Synchronizes CUDA."""
+    """Message i is `regions[i]`: a contiguous CPU or CUDA tensor, or a list of them (or an
+    `IovList`) moved as one scatter-gather message (UCP_DATATYPE_IOV). Synchronizes CUDA."""
     m = _Messages([], [], [], [], list(regions))
     flat: list[torch.Tensor] = []
     for r in regions:
-        if isinstance(r, (list, tuple)):
+        if isinstance(r, IovList):
+            iov = r.iov
+            if iov.dtype != np.uint64 or iov.ndim != 2 or iov.shape[1] != 2 or not len(iov):
+                raise ValueError("an IovList needs [n >= 1, 2] uint64 (address, bytes) rows")
+            if r.owner.device.type != "cpu":
+                raise ValueError("IovList entries must lie in CPU memory")
+            iov = np.ascontiguousarray(iov)
+            m.ptrs.append(iov.ctypes.data)
+            m.counts.append(len(iov))
+            m.iov.append(True)
+            m.sizes.append(int(iov[:, 1].sum()))
+            m.keep.append(iov)
+        elif isinstance(r, (list, tuple)):
             if not r:
                 raise ValueError("a scatter-gather message needs at least one region")
             iov = np.empty((len(r), 2), dtype=np.uint64)

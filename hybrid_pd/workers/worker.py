@@ -23,6 +23,7 @@ from hybrid_pd.connector.base import KVConnector
 from hybrid_pd.connector.control import AioServer, KVControlServicer
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import DEFAULT_LEASE_S
+from hybrid_pd.connector.segments import PoolRegions
 from hybrid_pd.decode_worker import DecodeRole
 from hybrid_pd.engine.engine import Engine, EngineConfig, plan_kv_cache
 from hybrid_pd.engine.loader import load_model
@@ -92,8 +93,7 @@ class Worker:
         self.port = self.server.port
         self.address = f"{config.host}:{self.port}"
 
-        def region(first: int, n: int):  # the engine's pool, once it exists
-            return self.engine.pool.region(first, n)
+        region = PoolRegions(lambda: self.engine.pool.buffer)  # the pool, once it exists
 
         self.prefill: PrefillRole | None = None
         self.decode: DecodeRole | None = None

@@ -7,13 +7,23 @@ import threading
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
+import torch
 
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.base import SupportsHMA, TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import PrefillConnector
-from hybrid_pd.connector.segments import Segment, group_regions, pack_messages, plan_segments
+from hybrid_pd.connector.segments import (
+    PagedPlan,
+    PoolRegions,
+    Segment,
+    group_regions,
+    pack_messages,
+    plan_segments,
+    split_iov,
+)
 from hybrid_pd.kvcache.grouping import plan_groups
 from hybrid_pd.kvcache.specs import (
     FullAttentionSpec,
@@ -80,6 +90,27 @@ def test_pack_messages_bounds_bytes_and_regions():
     for bad in ([1, 3], [1, 3, 3], [0, 6]):
         with pytest.raises(ValueError, match="message packing"):
             group_regions(regions, bad)
+
+
+def test_paged_plan_rows_are_the_regions_addresses():
+    """A plan over one pool gives each run's (address, bytes) row: the same bytes the
+    region tensor of that run covers; ids outside the pool are refused."""
+    pool = torch.zeros(10, 32, dtype=torch.uint8)
+    plan = PagedPlan(PoolRegions(lambda: pool), 32)
+    runs = [Segment(1, 7, 2), Segment(5, 0, 3)]
+    for side, first in (("src", [1, 5]), ("dst", [7, 0])):
+        iov, owner = plan.iov(runs, side)
+        assert owner is pool and iov.dtype == np.uint64
+        regions = [plan.region(f, s.length) for f, s in zip(first, runs, strict=True)]
+        assert iov.tolist() == [[r.data_ptr(), r.numel()] for r in regions]
+    with pytest.raises(ValueError, match="outside the pool"):
+        plan.iov([Segment(9, 0, 2)], "src")
+    assert PagedPlan(lambda b, n: pool[b : b + n], 32).iov(runs, "src") is None  # no pool
+    assert PagedPlan(PoolRegions(lambda: pool), 16).iov(runs, "src") is None  # other pages
+    msgs = split_iov(iov, pool, [1, 1])
+    assert [m.iov.tolist() for m in msgs] == [[iov[0].tolist()], [iov[1].tolist()]]
+    with pytest.raises(ValueError, match="message packing"):
+        split_iov(iov, pool, [3])
 
 
 def test_pull_packs_regions_as_decode_says():

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,6 +190,25 @@ def test_scatter_gather_messages_land_exactly(peer, local):
     expected[flat_dst] = flat_src
     assert torch.equal(after, expected)
     assert local.stats()["messages_sent"] - sent == 3
+
+
+def test_iov_rows_send_like_region_lists(peer, local):
+    """An IovList (address, bytes rows into one pool) is the same message as the list of
+    those regions."""
+    pool = _pattern(3)
+    peer.ask("fill", 0)
+    before = peer.ask("pool")
+    src = [(2, 3), (9, 1), (20, 2)]
+    rows = np.array([[pool[s].data_ptr(), n * PAGE] for s, n in src], dtype=np.uint64)
+    tag = next_tag()
+    peer.ask("post", local.address, tag, [[(0, 2), (10, 4)]])
+    local.send(peer.address, tag, [ucx_transport.IovList(rows, pool)], timeout=10)
+    peer.ask("wait", tag, 10)
+    expected = before.clone()
+    expected[[0, 1, 10, 11, 12, 13]] = torch.cat([pool[s : s + n] for s, n in src])
+    assert torch.equal(peer.ask("pool"), expected)
+    with pytest.raises(ValueError, match="uint64"):
+        local.send(peer.address, tag, [ucx_transport.IovList(rows.astype(np.int64), pool)], 1)
 
 
 def test_scatter_gather_larger_than_destination_fails(peer, local):
