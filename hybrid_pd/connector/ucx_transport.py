@@ -343,7 +343,7 @@ def _check_region(r: Any) -> int:
     return r.numel() * r.element_size()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # by identity: == on its array would be elementwise
 class IovList:
     """One scatter-gather message given as raw entries: `iov` [n, 2] uint64 rows of (address,
     bytes) inside `owner`'s CPU memory, which the caller vouches for (the transport keeps
