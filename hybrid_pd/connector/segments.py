@@ -79,14 +79,18 @@ def pack_messages(
     return counts
 
 
+def _check_packing(counts: Sequence[int], regions: int) -> None:
+    if any(c < 1 for c in counts) or sum(counts) != regions:
+        raise ValueError(
+            f"message packing covers {sum(counts)} regions in {len(counts)} messages, "
+            f"the transfer has {regions}"
+        )
+
+
 def group_regions(regions: Sequence[Any], counts: Sequence[int]) -> list[Any]:
     """The transport's messages: `counts[i]` consecutive regions as one list each (a list
     of one stays a list: the receiver posted a scatter-gather message for it)."""
-    if any(c < 1 for c in counts) or sum(counts) != len(regions):
-        raise ValueError(
-            f"message packing covers {sum(counts)} regions in {len(counts)} messages, "
-            f"the transfer has {len(regions)}"
-        )
+    _check_packing(counts, len(regions))
     out, i = [], 0
     for c in counts:
         out.append(list(regions[i : i + c]))
@@ -96,11 +100,7 @@ def group_regions(regions: Sequence[Any], counts: Sequence[int]) -> list[Any]:
 
 def split_iov(iov: np.ndarray, owner: torch.Tensor, counts: Sequence[int]) -> list[IovList]:
     """`group_regions` for (address, bytes) rows: `counts[i]` consecutive rows per message."""
-    if any(c < 1 for c in counts) or sum(counts) != len(iov):
-        raise ValueError(
-            f"message packing covers {sum(counts)} regions in {len(counts)} messages, "
-            f"the transfer has {len(iov)}"
-        )
+    _check_packing(counts, len(iov))
     ends = np.cumsum(counts)
     return [IovList(iov[e - c : e], owner) for c, e in zip(counts, ends.tolist(), strict=True)]
 
