@@ -113,7 +113,7 @@ def _prefill_child(conn, model: str, max_len: int, ucx: dict, churn: int, seed: 
                     kv.commit_computed(rid_, start + step)
                 kv.release_out_of_window(rid_)
                 ids = kv.block_ids(rid_)
-                _stamp(pool, [b for g in ids for b in g if b != NULL_BLOCK_ID])
+                _stamp(pool, _real(ids))
                 _, params = conn_.request_finished_all_groups(_Req(rid, n), ids)
                 conn.send(params)
             elif cmd == "raw":
@@ -136,6 +136,11 @@ def _prefill_child(conn, model: str, max_len: int, ucx: dict, churn: int, seed: 
 _STAMP = 8  # each kept page starts with its block id (int64) on the prefill side
 
 
+def _real(groups) -> list[int]:
+    """The block ids of all groups, null blocks left out."""
+    return [b for g in groups for b in g if b != NULL_BLOCK_ID]
+
+
 def _stamp(pool: torch.Tensor, ids: list[int]) -> None:
     idx = torch.tensor(ids, dtype=torch.int64)
     pool[idx, :_STAMP] = idx.view(torch.uint8).view(len(ids), _STAMP)
@@ -146,7 +151,7 @@ def _intact(pool: torch.Tensor, src: tuple, dst: tuple) -> bool:
     pairs = [
         (s, d)
         for gs, gd in zip(src, dst, strict=True)
-        for s, d in zip(gs, [b for b in gd if b != NULL_BLOCK_ID], strict=True)
+        for s, d in zip(gs, _real([gd]), strict=True)
     ]
     want = torch.tensor([s for s, _ in pairs], dtype=torch.int64)
     got = pool[[d for _, d in pairs], :_STAMP].contiguous().view(torch.int64).view(-1)
@@ -208,7 +213,7 @@ def bench_transfer(
                 decode.add_peers([params.control_address])
                 rid = RequestId(params.request_id)
                 ids = kv.allocate_external(rid, list(range(n + 1)), n)
-                pool[[b for g in ids for b in g if b != NULL_BLOCK_ID], :_STAMP] = 0
+                pool[_real(ids), :_STAMP] = 0
                 stats = decode.pull(params, ids)
                 intact = intact and _intact(pool, params.block_ids, ids)
                 times.append(stats.seconds)

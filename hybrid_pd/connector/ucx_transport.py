@@ -379,23 +379,11 @@ def _messages(regions: list[Any]) -> _Messages:
             if r.owner.device.type != "cpu":
                 raise ValueError("IovList entries must lie in CPU memory")
             iov = np.ascontiguousarray(iov)
-            m.ptrs.append(iov.ctypes.data)
-            m.counts.append(len(iov))
-            m.iov.append(True)
-            m.sizes.append(int(iov[:, 1].sum()))
-            m.keep.append(iov)
         elif isinstance(r, (list, tuple)):
             if not r:
                 raise ValueError("a scatter-gather message needs at least one region")
-            iov = np.empty((len(r), 2), dtype=np.uint64)
-            for j, part in enumerate(r):
-                n = _check_region(part)
-                iov[j] = (part.data_ptr(), n)
-            m.ptrs.append(iov.ctypes.data)
-            m.counts.append(len(r))
-            m.iov.append(True)
-            m.sizes.append(int(iov[:, 1].sum()))
-            m.keep.append(iov)
+            sizes = [_check_region(part) for part in r]
+            iov = np.array([(p.data_ptr(), n) for p, n in zip(r, sizes, strict=True)], np.uint64)
             flat += r
         else:
             n = _check_region(r)
@@ -404,6 +392,12 @@ def _messages(regions: list[Any]) -> _Messages:
             m.iov.append(False)
             m.sizes.append(n)
             flat.append(r)
+            continue
+        m.ptrs.append(iov.ctypes.data)  # a scatter-gather message: its rows
+        m.counts.append(len(iov))
+        m.iov.append(True)
+        m.sizes.append(int(iov[:, 1].sum()))
+        m.keep.append(iov)
     _sync(flat)
     return m
 
