@@ -104,7 +104,8 @@ class Mamba1Mixer(nn.Module):
         xf = xc.float()
         state = ssm_state.float() * torch.exp(dt[..., None] * a_coef)
         state = state + (dt * xf)[..., None] * b[:, None, :]
-        y = (state @ c[..., None])[..., 0] + xf * self.D.float()
+        # a multiply-and-sum over N (a batched [inner, N] @ [N, 1] matmul is slower on CPU)
+        y = torch.linalg.vecdot(state, c[:, None, :]) + xf * self.D.float()
         write_state_rows(self.name, batch, rows, [window[:, :, 1:], state])
         return y
 
