@@ -213,3 +213,27 @@ def test_gather_and_scatter_states_match_per_request_access(pool: KVPool, layer:
         pool.gather_states(layer, ids[:, :1] if span == 3 else ids.repeat(1, 2))
     untouched = [b for b in range(8) if b not in ids.flatten().tolist()]
     assert not pool.buffer[untouched].count_nonzero()
+
+
+def test_state_rows_move_every_bit_pattern() -> None:
+    """Indexed row copies go through 16-byte elements: random bits (NaN payloads, signalling
+    ones included) must arrive unchanged through write_state, scatter_states and both reads."""
+    pool = KVPool(config(), num_blocks=8, device=str(torch.device("cpu")))
+    gen = torch.Generator().manual_seed(2)
+    spec = pool.config.group_of("g0").spec
+    conv = torch.randint(0, 1 << 16, spec.shapes[0], generator=gen, dtype=torch.int32)
+    conv = conv.to(torch.int16).view(torch.bfloat16)
+    ssm = torch.randint(-(1 << 31), 1 << 31, spec.shapes[1], generator=gen, dtype=torch.int64)
+    ssm = ssm.to(torch.int32)
+    ssm.view(-1)[:3] = torch.tensor([0x7F800001, 0x7FC00001, -0x7FFFFF])  # sNaN, qNaN, -sNaN
+    ssm = ssm.view(torch.float32)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8)
+
+    pool.write_state("g0", [6, 2, 4], [conv, ssm])
+    got = pool.gather_states("g0", torch.tensor([[6, 2, 4]]))
+    assert torch.equal(bits(got[0][0]), bits(conv)) and torch.equal(bits(got[1][0]), bits(ssm))
+    pool.scatter_states("g0", torch.tensor([[1, 3, 7]]), [conv[None], ssm[None]])
+    back = pool.read_state("g0", [1, 3, 7])
+    assert torch.equal(bits(back[0]), bits(conv)) and torch.equal(bits(back[1]), bits(ssm))
