@@ -27,10 +27,11 @@ def _inputs(length: int, heads=4, hd=8, n=16, seed=0):
 def test_chunked_matches_recurrence(length, chunk, offset):
     x, dt, a_coef, b, c, h0 = _inputs(length)
     y, state = _ssd_chunked(x, dt, a_coef, b, c, chunk, h0, offset)
-    ys, s = [], h0
+    ys, s = [], h0[None]
     for t in range(length):
-        out, s = _ssd_step(x[t], dt[t], a_coef, b[t], c[t], s)
-        ys.append(out)
+        out, s = _ssd_step(x[t, None], dt[t, None], a_coef, b[t, None], c[t, None], s)
+        ys.append(out[0])
+    s = s[0]
     torch.testing.assert_close(y, torch.stack(ys), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, s, rtol=1e-4, atol=1e-4)
 
@@ -63,3 +64,31 @@ def test_exp_zero_bound():
     x = torch.tensor([_EXP_ZERO, _EXP_ZERO - 1e-3, _EXP_ZERO - 50.0, -math.inf])
     assert torch.equal(torch.exp(x), torch.zeros(4))
     assert torch.exp(torch.tensor(_EXP_ZERO + 1.0)) > 0  # and the bound is not far too low
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_step_on_strided_rows_matches_the_per_head_formula(groups):
+    """_ssd_step on states gathered as pool rows (a row stride wider than a state), with B
+    and C per group, updated in place: h' = exp(dt A) h + dt x B^T, y = h' C, per head."""
+    seqs, heads, hd, n = 3, 4, 8, 16
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(seqs, heads, hd, generator=g)
+    dt = F.softplus(torch.randn(seqs, heads, generator=g))
+    a_coef = -torch.exp(torch.rand(heads, generator=g))
+    b = torch.randn(seqs, groups, n, generator=g)
+    c = torch.randn(seqs, groups, n, generator=g)
+    rows = torch.randn(seqs, heads * hd * n + 40, generator=g)
+    h0 = rows[:, 24 : 24 + heads * hd * n].unflatten(1, (heads, hd, n))
+    per = heads // groups
+    bh, ch = b.repeat_interleave(per, dim=1), c.repeat_interleave(per, dim=1)
+    want = (
+        torch.exp(dt * a_coef)[..., None, None] * h0
+        + (dt[..., None] * x)[..., None] * bh[:, :, None, :]
+    )
+    want_y = (want * ch[:, :, None, :]).sum(-1)
+    before = rows.clone()
+    y, state = _ssd_step(x, dt, a_coef, b, c, h0, in_place=True)
+    assert state.data_ptr() == h0.data_ptr()  # updated where it lies
+    torch.testing.assert_close(state, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rows[:, :24], before[:, :24]) and torch.equal(rows[:, -16:], before[:, -16:])

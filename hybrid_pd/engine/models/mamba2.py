@@ -217,15 +217,25 @@ def _ssd_packed(x, dt, a_coef, b, c, chunk: int, h0, offsets: list[int], lengths
 
 
 def _ssd_step(x, dt, a_coef, b, c, h0, in_place: bool = False):
-    """One recurrent step, batched over leading dims: x [..., H, P], dt [..., H], b/c
-    [..., H, N], h0 [..., H, P, N] -> y [..., H, P] (no D term), state (h0 itself, updated,
-    with `in_place`)."""
+    """One recurrent step of S sequences: x [S, H, P], dt [S, H], b/c [S, G, N] (head h
+    reads group h // (H / G)), h0 [S, H, P, N] (its rows may be strided, as gathered from
+    the pool) -> y [S, H, P] (no D term), state (h0 itself, updated, with `in_place`)."""
+    seqs, heads, hd = x.shape
+    groups = b.shape[1]
     decay = torch.exp(dt * a_coef)[..., None, None]
     state = h0.mul_(decay) if in_place else h0 * decay
-    state = state.addcmul_((x * dt[..., None])[..., None], b[..., None, :])
-    # a multiply-and-sum over N: 3x faster on CPU than matmul's batch of [P, N] @ [N, 1]
-    y = torch.linalg.vecdot(state, c[..., None, :])
-    return y, state
+    grouped = state.unflatten(1, (groups, heads // groups))  # [S, G, H/G, P, N], a view
+    xdt = (x * dt[..., None]).unflatten(1, (groups, heads // groups))
+    grouped.addcmul_(xdt[..., None], b[:, :, None, None, :])
+    # y = state @ c per group, computed as c^T @ state^T: a batch over S of [1, N] @
+    # [N, H/G * P] reads the state rows where they lie; on CPU it runs 2.5x faster than a
+    # multiply-and-sum over N and 9x faster than a batch of [P, N] @ [N, 1] per head
+    ys = [
+        torch.bmm(c[:, g, None, :], grouped[:, g].flatten(1, 2).transpose(1, 2))
+        for g in range(groups)
+    ]
+    y = ys[0] if groups == 1 else torch.cat(ys, dim=1)
+    return y.view(seqs, heads, hd), state
 
 
 class GatedRMSNorm(nn.Module):
@@ -319,13 +329,12 @@ class Mamba2Mixer(nn.Module):
         return y.flatten(1)
 
     def _split_heads(self, xbc: torch.Tensor):
-        """Activated conv output [L, C] -> x [L, H, P], b and c [L, H, N] (float32)."""
+        """Activated conv output [L, C] -> x [L, H, P], b and c [L, G, N] (float32)."""
         length = xbc.shape[0]
         gn = self.groups * self.state
         x, b, c = xbc.float().split([self.inner, gn, gn], dim=-1)
-        per = self.heads // self.groups
-        b = b.view(length, self.groups, self.state).repeat_interleave(per, dim=1)
-        c = c.view(length, self.groups, self.state).repeat_interleave(per, dim=1)
+        b = b.view(length, self.groups, self.state)
+        c = c.view(length, self.groups, self.state)
         return x.view(length, self.heads, self.head_dim), b, c
 
     def _sequence(self, batch, seq: SeqInfo, xbc, dt, a_coef) -> torch.Tensor:
@@ -336,7 +345,7 @@ class Mamba2Mixer(nn.Module):
         if self.conv1d.bias is not None:
             conv = conv + self.conv1d.bias[:, None]
         x, b, c = self._split_heads(self.act(conv.t()))
-        y, h1 = _ssd_step(x, dt, a_coef, b, c, ssm_state.float())
+        y, h1 = _ssd_step(x, dt, a_coef, b, c, ssm_state.float()[None])
         y = y + x * self.D.float()[:, None]
         write_state(
             self.name, batch, seq, [window[:, 1:].to(conv_state.dtype), h1[0].to(ssm_state.dtype)]
