@@ -19,6 +19,7 @@ from transformers import Qwen3_5MoeForCausalLM as HFQwen3_5MoeForCausalLM
 from hybrid_pd.engine.models.qwen3_5 import (
     Qwen3_5ForCausalLM,
     delta_rule_chunked,
+    delta_rule_rows,
     delta_rule_step,
     tiny_qwen3_5_config,
 )
@@ -103,6 +104,26 @@ def _check(hf, runner, prompts, chunk=None, refs=None):
         assert len(set(ref_tokens)) >= 4, ref_tokens  # the comparison must prove something
         assert got == ref_tokens
     return refs, tokens, diffs
+
+
+def test_delta_rule_rows_on_strided_rows_matches_the_one_sequence_step():
+    """delta_rule_rows on states gathered as pool rows (a row stride wider than one state),
+    updated in place, gives each sequence's delta_rule_step."""
+    torch.manual_seed(1)
+    s, h, dk, dv = 3, 4, 8, 5
+    q = torch.nn.functional.normalize(torch.randn(s, h, dk), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(s, h, dk), dim=-1)
+    v, g, beta = torch.randn(s, h, dv), -torch.rand(s, h), torch.rand(s, h)
+    rows = torch.randn(s, h * dk * dv + 24)
+    state = rows[:, 8 : 8 + h * dk * dv].unflatten(1, (h, dk, dv))
+    want = [delta_rule_step(q[i], k[i], v[i], g[i], beta[i], state[i].clone()) for i in range(s)]
+    before = rows.clone()
+    out, new = delta_rule_rows(q, k, v, g, beta, state)
+    assert new.data_ptr() == state.data_ptr()  # updated where it lies
+    for i, (o, st) in enumerate(want):
+        torch.testing.assert_close(out[i], o, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(new[i], st, rtol=1e-5, atol=1e-6)
+    assert torch.equal(rows[:, :8], before[:, :8]) and torch.equal(rows[:, -16:], before[:, -16:])
 
 
 def test_delta_rule_chunked_matches_recurrent():
