@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.common import RMSNorm, Rotary, activation, copy_weight
+from hybrid_pd.engine.models.common import RMSNorm, Rotary, activation, copy_weight, routed_tokens
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
 from hybrid_pd.engine.onednn import PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
@@ -186,8 +186,7 @@ class SparseMoE(nn.Module):
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
         out = torch.zeros_like(x)
-        for e in top_idx.unique().tolist():
-            token, slot = torch.nonzero(top_idx == e, as_tuple=True)
+        for e, token, slot in routed_tokens(top_idx):
             w_in, w_out = self.input_linear.weight[e], self.output_linear.weight[e]
             gate, up = packed_linear(x[token], w_in, self._packs.get(("in", e), w_in)).chunk(
                 2, dim=-1

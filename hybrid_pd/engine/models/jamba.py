@@ -26,7 +26,13 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
-from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, config_int, load_checkpoint
+from hybrid_pd.engine.models.common import (
+    GatedMLP,
+    RMSNorm,
+    config_int,
+    load_checkpoint,
+    routed_tokens,
+)
 from hybrid_pd.engine.models.mamba1 import Mamba1Dims, Mamba1Mixer, check_state_spec
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, LayerSpec, StateSpec
@@ -94,8 +100,7 @@ class SparseMoE(nn.Module):
         top_w, top_idx = probs.topk(self.top_k, dim=-1)
         top_w = top_w.to(x.dtype)
         out = torch.zeros_like(x)
-        for e in top_idx.unique().tolist():
-            token, slot = torch.nonzero(top_idx == e, as_tuple=True)
+        for e, token, slot in routed_tokens(top_idx):
             y = self.experts[e](x[token])
             out.index_add_(0, token, y * top_w[token, slot, None])
         return out

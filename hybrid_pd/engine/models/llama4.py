@@ -50,6 +50,7 @@ from hybrid_pd.engine.models.common import (
     activation,
     config_int,
     load_checkpoint,
+    routed_tokens,
 )
 from hybrid_pd.engine.models.rope import inverse_frequencies, rope_settings
 from hybrid_pd.engine.onednn import linear
@@ -254,8 +255,7 @@ class MoE(nn.Module):
         # the routed outputs summed in float32 and rounded once, as transformers' sum over
         # the expert dim, then added to the shared expert's
         routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in top_idx.unique().tolist():
-            token, slot = torch.nonzero(top_idx == e, as_tuple=True)
+        for e, token, slot in routed_tokens(top_idx):
             y = self.experts(e, x[token] * scores[token, slot, None])
             routed.index_add_(0, token, y.float())
         return self.shared_expert(x) + routed.to(x.dtype)

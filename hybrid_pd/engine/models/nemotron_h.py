@@ -43,7 +43,13 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
-from hybrid_pd.engine.models.common import RMSNorm, activation, config_int, copy_weight
+from hybrid_pd.engine.models.common import (
+    RMSNorm,
+    activation,
+    config_int,
+    copy_weight,
+    routed_tokens,
+)
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, as_float, check_state_spec
 from hybrid_pd.engine.onednn import linear
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -188,8 +194,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
-        for e in ids.unique().tolist():
-            token, slot = torch.nonzero(ids == e, as_tuple=True)
+        for e, token, slot in routed_tokens(ids):
             y = linear(self.act(linear(x[token], self.up_proj[e])), self.down_proj[e])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out.to(x.dtype)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, Rotary, activation
+from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, Rotary, activation, routed_tokens
 from hybrid_pd.engine.onednn import linear
 from hybrid_pd.engine.paged import (
     StateRows,
@@ -389,8 +389,7 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(logits.dtype)
         out = torch.zeros_like(x)
-        for e in torch.unique(experts).tolist():
-            tok, slot = torch.where(experts == e)
+        for e, tok, slot in routed_tokens(experts):
             h = x[tok]
             h = self.act(linear(h, self.gate_proj[e])) * linear(h, self.up_proj[e])
             h = linear(h, self.down_proj[e]) * weights[tok, slot, None]
