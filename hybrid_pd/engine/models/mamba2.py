@@ -38,6 +38,7 @@ from hybrid_pd.engine.paged import (
     read_state,
     read_state_rows,
     split_state_seqs,
+    vec_times_rows,
     write_state,
     write_state_rows,
 )
@@ -227,14 +228,9 @@ def _ssd_step(x, dt, a_coef, b, c, h0, in_place: bool = False):
     grouped = state.unflatten(1, (groups, heads // groups))  # [S, G, H/G, P, N], a view
     xdt = (x * dt[..., None]).unflatten(1, (groups, heads // groups))
     grouped.addcmul_(xdt[..., None], b[:, :, None, None, :])
-    # y = state @ c per group, computed as c^T @ state^T: a batch over S of [1, N] @
-    # [N, H/G * P] reads the state rows where they lie; on CPU it runs 2.5x faster than a
-    # multiply-and-sum over N and 9x faster than a batch of [P, N] @ [N, 1] per head
-    ys = [
-        torch.bmm(c[:, g, None, :], grouped[:, g].flatten(1, 2).transpose(1, 2))
-        for g in range(groups)
-    ]
-    y = ys[0] if groups == 1 else torch.cat(ys, dim=1)
+    # y = state @ c per group as c^T @ state^T, [1, N] @ [N, H/G * P] per group: on CPU 2.5x
+    # faster than a multiply-and-sum over N and 9x faster than [P, N] @ [N, 1] per head
+    y = vec_times_rows(c, grouped.flatten(2, 3).transpose(-1, -2))
     return y.view(seqs, heads, hd), state
 
 
