@@ -90,7 +90,10 @@ def test_bench_multiturn_reuse_pulls_less(tmp_path, monkeypatch):
         # same blocks in all; reuse skips exactly the held ones.
         assert p["bytes_pulled"] == r["bytes_pulled"] + r["held_blocks"] * page, (r, p)
         if r["turn"] == 1:
-            assert r["held_blocks"] == 0, r
+            # The conversations share the system prompt: one whose first turn reaches decode
+            # after another's has been committed there finds its whole system blocks (only
+            # those); the first to arrive finds none.
+            assert r["held_blocks"] <= (CONVERSATIONS - 1) * (SYSTEM_LEN // bs), r
         else:
             assert r["held_blocks"] >= bound, (r, bound)
             assert p["bytes_pulled"] - r["bytes_pulled"] >= bound * page, (r, p)
