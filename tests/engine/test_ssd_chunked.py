@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid_pd.engine.models.mamba2 import _EXP_ZERO, _ssd_chunked, _ssd_step
+from hybrid_pd.engine.models.common import EXP_ZERO, exp_or_zero
+from hybrid_pd.engine.models.mamba2 import _ssd_chunked, _ssd_step
 
 
 def _inputs(length: int, heads=4, hd=8, n=16, seed=0):
@@ -60,10 +61,22 @@ def test_segment_sums_match_masked_cumsum():
 
 
 def test_exp_zero_bound():
-    # the scan writes 0 instead of exp(x) for x < _EXP_ZERO: exp must round to 0 there
-    x = torch.tensor([_EXP_ZERO, _EXP_ZERO - 1e-3, _EXP_ZERO - 50.0, -math.inf])
+    # exp_or_zero writes 0 instead of exp(x) for x < EXP_ZERO: exp must round to 0 there
+    x = torch.tensor([EXP_ZERO, EXP_ZERO - 1e-3, EXP_ZERO - 50.0, -math.inf])
     assert torch.equal(torch.exp(x), torch.zeros(4))
-    assert torch.exp(torch.tensor(_EXP_ZERO + 1.0)) > 0  # and the bound is not far too low
+    assert torch.exp(torch.tensor(EXP_ZERO + 1.0)) > 0  # and the bound is not far too low
+
+
+def test_exp_or_zero_gives_exps_own_values():
+    # normal, denormal, zero and -inf results, and NaN, all as exp gives them
+    x = torch.cat([torch.linspace(-120.0, 5.0, 4001), torch.tensor([-math.inf, math.nan])])
+    got = exp_or_zero(x.clone())
+    assert torch.equal(got.nan_to_num(), torch.exp(x).nan_to_num()) and got[-1].isnan()
+    # a tensor floor broadcasts; +inf masks entries out whatever their value
+    seg = torch.randn(3, 4, 4) * 50 - 60
+    floor = torch.full((4, 4), EXP_ZERO).masked_fill_(~torch.ones(4, 4).tril().bool(), math.inf)
+    want = torch.exp(seg).tril()
+    assert torch.equal(exp_or_zero(seg.clone(), floor), want)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])

@@ -10,6 +10,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# float32 exp rounds to exactly 0 below this (the smallest denormal is exp(-103.28)).
+EXP_ZERO = -104.0
+
+
+def exp_or_zero(x: torch.Tensor, floor: torch.Tensor | float = EXP_ZERO) -> torch.Tensor:
+    """exp(x) in place, entries below `floor` set to exactly 0.
+
+    On CPU, float32 exp is 5-30x slower where its result is denormal or zero (-inf included),
+    and the log decays of state layers make many such entries. Those below EXP_ZERO come out
+    0 either way, so with the default floor the values are exp's own; exp sees 0 there
+    instead. A tensor floor broadcasts: +inf masks an entry out (its result is 0)."""
+    dead = x < floor
+    return x.masked_fill_(dead, 0.0).exp_().masked_fill_(dead, 0.0)
+
+
 def routed_tokens(top_idx: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(expert, tokens, slots) for every expert that `top_idx` [T, k] picks, experts ascending
     and each expert's tokens ascending: what `torch.nonzero(top_idx == e)` over

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
-from hybrid_pd.engine.models.common import activation
+from hybrid_pd.engine.models.common import EXP_ZERO, activation, exp_or_zero
 from hybrid_pd.engine.paged import (
     StateRows,
     read_state,
@@ -89,8 +89,6 @@ class Mamba2Dims:
         return self.inner + 2 * self.groups * self.state
 
 
-# float32 exp rounds to exactly 0 below this (the smallest denormal is exp(-103.28)).
-_EXP_ZERO = -104.0
 # Longest stretch of tokens the scan mixes through its [Q, Q] decay matrices. Its [Q, Q] work
 # grows with Q while the per-chunk state work does not, so on CPU the scan is fastest with
 # chunks shorter than the checkpoints' 128-256 (the chunk size changes only float rounding).
@@ -156,14 +154,11 @@ def _ssd_packed(x, dt, a_coef, b, c, chunk: int, h0, offsets: list[int], lengths
     prefix = log_a.double().cumsum(dim=1).transpose(1, 2)  # [nc, H, Q]
     seg = torch.empty(nc, heads, chunk, chunk, device=dev)
     torch.sub(prefix[:, :, None, :], prefix[:, :, :, None], out=seg)
-    # exp is 5-10x slower on arguments whose result is denormal or zero (-inf included), and
-    # strong decays make many; those below _EXP_ZERO give exactly 0, so they are set to 0
-    # directly and exp sees 0 there instead. One comparison finds them and the non-causal
-    # entries (l < s) together: the bound is +inf there.
+    # strong decays make many entries that exp gives as 0 (slowly): exp_or_zero sets them
+    # directly, and the non-causal ones (l < s) with them, since the floor is +inf there
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu_()  # [s, l]: l >= s
-    bound = torch.full((chunk, chunk), math.inf, device=dev).masked_fill_(causal, _EXP_ZERO)
-    dead = seg < bound
-    decay = seg.masked_fill_(dead, 0.0).exp_().masked_fill_(dead, 0.0)  # [nc, H, Q(s), Q(l)]
+    floor = torch.full((chunk, chunk), math.inf, device=dev).masked_fill_(causal, EXP_ZERO)
+    decay = exp_or_zero(seg, floor)  # [nc, H, Q(s), Q(l)]
     # decay from s to the chunk's end, kept before the weights overwrite `decay`
     to_end = decay[..., -1].transpose(1, 2).clone()  # [nc, Q(s), H]
 
@@ -204,7 +199,7 @@ def _ssd_packed(x, dt, a_coef, b, c, chunk: int, h0, offsets: list[int], lengths
 
     # contribution of the state each chunk starts from, scaled by the decay from the chunk's
     # start to each token
-    from_start = torch.exp(prefix.float()).transpose(1, 2)  # [nc, Q(l), H]
+    from_start = exp_or_zero(prefix.float()).transpose(1, 2)  # [nc, Q(l), H]
     st = start.view(nc, groups, per * hd, n).transpose(-1, -2)  # [nc, G, N, per * P]
     ys = torch.matmul(cq, st).transpose(1, 2)  # [nc, Q(l), G, per * P]
     out = torch.empty(nc, chunk, heads, hd, device=dev)

@@ -31,6 +31,7 @@ they are Qwen3.5's q / k / v / z / b / a. Dense layers of a Qwen3-Next MoE model
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -41,7 +42,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, Rotary, activation, routed_tokens
+from hybrid_pd.engine.models.common import (
+    EXP_ZERO,
+    GatedMLP,
+    RMSNorm,
+    Rotary,
+    activation,
+    exp_or_zero,
+    routed_tokens,
+)
 from hybrid_pd.engine.onednn import linear
 from hybrid_pd.engine.paged import (
     StateRows,
@@ -155,22 +164,27 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
     """
     n, dv = q.shape[1], v.shape[-1]
     out = q.new_empty(q.shape[0], n, dv)
+    # strong decays make many exp results that are 0 (slow on CPU): exp_or_zero sets them,
+    # and the entries above the diagonal with them (floor +inf)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril_()
+    floor = torch.full((chunk, chunk), EXP_ZERO, device=q.device).masked_fill_(~causal, math.inf)
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         qc, kc, vc, bc = q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], beta[:, lo:hi]
         cum = g[:, lo:hi].cumsum(-1)  # [H, L]
         size = hi - lo
-        causal = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
-        rel = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()
+        rel = exp_or_zero(cum[:, :, None] - cum[:, None, :], floor[:size, :size])
         system = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * rel).tril(-1)
         system = system + torch.eye(size, dtype=q.dtype, device=q.device)
-        rhs = torch.cat([bc[..., None] * vc, (bc * cum.exp())[..., None] * kc], dim=-1)
+        grow = exp_or_zero(cum.clone())
+        rhs = torch.cat([bc[..., None] * vc, (bc * grow)[..., None] * kc], dim=-1)
         solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         deltas = solved[..., :dv] - solved[..., dv:] @ state  # [H, L, dv]
         scores = (qc @ kc.transpose(-1, -2)) * rel
-        out[:, lo:hi] = (qc * cum.exp()[..., None]) @ state + scores @ deltas
-        tail = (cum[:, -1:] - cum).exp()[..., None]  # decay from each token to the block end
-        state = state * cum[:, -1].exp()[:, None, None] + (kc * tail).transpose(-1, -2) @ deltas
+        out[:, lo:hi] = (qc * grow[..., None]) @ state + scores @ deltas
+        # decay from each token to the block end
+        tail = exp_or_zero(cum[:, -1:] - cum)[..., None]
+        state = state * grow[:, -1, None, None] + (kc * tail).transpose(-1, -2) @ deltas
     return out, state
 
 
