@@ -32,8 +32,10 @@ arrives before the prefill worker has kept the request's blocks waits for them).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import math
 import os
 import secrets
 import threading
@@ -290,8 +292,76 @@ class HybridPDHandshake(KVConnectorHandshakeMetadata):
     control_address: str
 
 
-def _secret(extra: dict) -> str | None:
-    path = extra.get("secret_file")
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """`kv_connector_extra_config`, checked: a key this connector does not know, or a value of
+    the wrong kind, stops vLLM at start-up with a line naming the key (docs/vllm.md)."""
+
+    control_host: str = "127.0.0.1"
+    control_port: int = 0  # 0: any free port
+    peers: tuple[str, ...] = ()
+    secret_file: str | None = None
+    lease_s: float = 120.0
+    keep_wait_s: float = 10.0
+    timeout_s: float = 30.0
+    scatter_gather: bool = True
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> ConnectorOptions:
+        extra = dict(extra or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                f"the hybrid-pd connector takes {', '.join(sorted(known))}"
+            )
+
+        def bad(key: str, want: str) -> ValueError:
+            return ValueError(f"kv_connector_extra_config.{key} must be {want}, not {extra[key]!r}")
+
+        out: dict[str, Any] = {}
+        for key in ("control_host", "secret_file"):
+            if key in extra:
+                if not isinstance(extra[key], str) or not extra[key]:
+                    raise bad(key, "a non-empty string")
+                out[key] = extra[key]
+        if "control_port" in extra:
+            port = extra["control_port"]
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+                raise bad("control_port", "an integer port, 0-65535")
+            out["control_port"] = port
+        if "peers" in extra:
+            peers = extra["peers"]
+            if not isinstance(peers, list | tuple) or not all(map(_host_port, peers)):
+                raise bad("peers", 'a list of "host:port" control addresses')
+            out["peers"] = tuple(peers)
+        for key, positive in (("lease_s", True), ("keep_wait_s", False), ("timeout_s", True)):
+            if key in extra:
+                value = extra[key]
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, int | float)
+                    or not math.isfinite(value)
+                    or value < 0
+                    or (positive and value == 0)
+                ):
+                    raise bad(key, "a positive number of seconds" if positive else "seconds >= 0")
+                out[key] = float(value)
+        if "scatter_gather" in extra:
+            if not isinstance(extra["scatter_gather"], bool):
+                raise bad("scatter_gather", "true or false")
+            out["scatter_gather"] = extra["scatter_gather"]
+        return cls(**out)
+
+
+def _host_port(address: object) -> bool:
+    host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+    return bool(host) and port.isdigit()
+
+
+def _secret(options: ConnectorOptions) -> str | None:
+    path = options.secret_file
     if path:
         with open(path) as f:
             secret = f.read().strip()
@@ -371,30 +441,23 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         tc = vllm_config.kv_transfer_config
-        self.extra = dict(tc.kv_connector_extra_config or {})
+        options = ConnectorOptions.parse(tc.kv_connector_extra_config)
         self.engine_id = str(tc.engine_id)
         self.is_producer = bool(tc.is_kv_producer)
         self.is_consumer = bool(tc.is_kv_consumer)
         self.layout = layout_of(vllm_config, kv_cache_config)
         self.clipper = BlockClipper(kv_cache_config)
-        host = self.extra.get("control_host", "127.0.0.1")
-        port = int(self.extra.get("control_port", 0))
-        self.control_bind = f"{host}:{port}"
-        self.control_address: str | None = self.control_bind if port else None
-        self.lease_s = float(self.extra.get("lease_s", 120.0))
+        self.control_bind = f"{options.control_host}:{options.control_port}"
+        self.control_address: str | None = self.control_bind if options.control_port else None
+        self.lease_s = options.lease_s
         # The engine core hands params out before the worker process keeps the blocks (at
         # its next step): a pull that comes first waits this long for the keep.
-        self.keep_wait_s = float(self.extra.get("keep_wait_s", 10.0))
-        self.timeout_s = float(self.extra.get("timeout_s", 30.0))
-        self.peers = tuple(self.extra.get("peers", ()))
+        self.keep_wait_s = options.keep_wait_s
+        self.timeout_s = options.timeout_s
+        self.peers = options.peers
         # decode: pack a pull's runs of blocks into a few scatter-gather UCX messages
-        self.scatter_gather = self.extra.get("scatter_gather", True)
-        if not isinstance(self.scatter_gather, bool):
-            raise ValueError(
-                "kv_connector_extra_config.scatter_gather must be true or false, not "
-                f"{self.scatter_gather!r}"
-            )
-        self.secret = _secret(self.extra)
+        self.scatter_gather = options.scatter_gather
+        self.secret = _secret(options)
         if self.secret is None:
             logger.warning(
                 "hybrid-pd connector: no secret (secret_file or HYBRID_PD_SECRET); the KV "
