@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 # float32 exp rounds to exactly 0 below this (the smallest denormal is exp(-103.28)).
 EXP_ZERO = -104.0
 
