@@ -17,6 +17,35 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return g
 
 
+# columns per block in argmax_rows: a multiple of the vector width, dividing the usual vocab sizes
+_BLOCK = 128
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` for [N, V] logits: the same indices (the first of equal maxima; a
+    row holding NaN gives its first NaN). On CPU torch's argmax runs a scalar loop, 10-14x
+    slower than a max (1.7 ms for 32 x 32,000 float32 logits here, 4.4 ms in bfloat16,
+    2-8 % of a decode step): this takes the maxima of 128-column blocks (vectorised), then
+    the argmax of the first block holding the row's maximum, and of the columns past the
+    last whole block. Other devices keep torch's argmax."""
+    rows, vocab = logits.shape
+    cut = vocab - vocab % _BLOCK
+    if logits.device.type != "cpu" or cut == 0 or logits.stride(-1) != 1:
+        return logits.argmax(dim=-1)
+    blocks = logits[:, :cut].view(rows, cut // _BLOCK, _BLOCK)
+    first = blocks.amax(dim=-1).argmax(dim=-1)  # [N]: the first block holding the maximum
+    picked = blocks[torch.arange(rows, device=logits.device), first]  # [N, block]
+    best, inner = picked.max(dim=-1)
+    found = first * _BLOCK + inner
+    if cut == vocab:
+        return found
+    tail_best, tail = logits[:, cut:].max(dim=-1)
+    # the tail comes after every block: it wins only with a strictly larger value, or with
+    # a NaN where the blocks hold none
+    later = (tail_best > best) | (tail_best.isnan() & ~best.isnan())
+    return torch.where(later, tail + cut, found)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -24,7 +53,7 @@ def sample(
 ) -> list[int]:
     """One token per row of `logits` [N, vocab] (float32)."""
     if all(p.greedy for p in params):  # the common case: one argmax, one host sync
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(logits).tolist()
     out = []
     for row, p, gen in zip(logits, params, generators, strict=True):
         if p.greedy:
