@@ -16,7 +16,7 @@ EXP_ZERO = -104.0
 def exp_or_zero(x: torch.Tensor, floor: torch.Tensor | float = EXP_ZERO) -> torch.Tensor:
     """exp(x) in place, entries below `floor` set to exactly 0.
 
-    On CPU, float32 exp is 5-30x slower where its result is denormal or zero (-inf included),
+    On CPU, float32 exp is 3-30x slower where its result is denormal or zero (-inf included),
     and the log decays of state layers make many such entries. Those below EXP_ZERO come out
     0 either way, so with the default floor the values are exp's own; exp sees 0 there
     instead. A tensor floor broadcasts: +inf masks an entry out (its result is 0)."""
