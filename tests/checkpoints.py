@@ -261,8 +261,9 @@ def nemotron_h(
     root: Path, name: str = "nemotron_h", tokenizer_vocab: int | None = None, **overrides
 ):
     """Pattern M-*M- (Mamba2, relu2 MLP, attention, Mamba2, MLP), B/C in 2 groups, Mamba
-    inner size 8 heads x 24 (not expand x hidden), projection and MLP biases. The time-step
-    floor is 1e-4 so that no dt reaches it: transformers' decode path would skip the clamp."""
+    inner size 8 heads x 24 (not expand x hidden), projection and MLP biases. No time-step
+    limit (time_step_min 1e-4, which transformers before 5.25 also took as the floor, below
+    every dt): transformers' decode path would skip a clamp that bites."""
     import transformers
 
     torch.manual_seed(0)

@@ -59,7 +59,17 @@ def test_blocks_follow_the_pattern_and_the_cache_spec(nemotron):
     bf16 = cache_spec_from_config({**config, "dtype": "bfloat16", "torch_dtype": "bfloat16"})
     assert bf16.layers["model.layers.0"].dtypes == ("bfloat16", "float32")
     mixer = model.model.layers[0].mixer
-    assert (mixer.inner, mixer.dt_limit) == (8 * 24, (1e-4, float("inf")))
+    # time_step_min only initialises dt_bias: the clamp is time_step_limit (none here)
+    assert (mixer.inner, mixer.dt_limit) == (8 * 24, (0.0, float("inf")))
+
+
+def test_time_step_limit_names(nemotron):
+    base = {**nemotron[1], "time_step_min": 0.3}
+    limit = NemotronHForCausalLM({**base, "time_step_limit": [0.2, 5.0]}).model.layers[0].mixer
+    assert limit.dt_limit == (0.2, 5.0)
+    legacy = {**base, "time_step_limit": [0.2, 5.0], "mamba_dt_limit": [0.1, "Infinity"]}
+    assert NemotronHForCausalLM(legacy).model.layers[0].mixer.dt_limit == (0.1, float("inf"))
+    assert NemotronHForCausalLM(base).model.layers[0].mixer.dt_limit == (0.0, float("inf"))
 
 
 def test_one_token_and_long_prompt(nemotron):
@@ -101,7 +111,10 @@ def test_engine_batched_chunked_with_prefix_hits(nemotron):
 def test_time_step_floor_against_full_forward(tmp_path):
     """With a time-step floor that bites, transformers' own decode path skips the clamp, so
     compare against its forward over the whole sequence (the chunked path, which applies it)."""
-    path = checkpoints.nemotron_h(tmp_path, name="floor", time_step_min=0.5)
+    # the same floor by either name: transformers before 5.25 clamped at time_step_min
+    path = checkpoints.nemotron_h(
+        tmp_path, name="floor", time_step_min=0.5, time_step_limit=(0.5, float("inf"))
+    )
     model, config, _ = load_model(path)
     ref = Reference(path)
     p = prompt(50, 9)

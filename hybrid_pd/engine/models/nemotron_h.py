@@ -50,7 +50,12 @@ from hybrid_pd.engine.models.common import (
     copy_weight,
     routed_tokens,
 )
-from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, as_float, check_state_spec
+from hybrid_pd.engine.models.mamba2 import (
+    Mamba2Dims,
+    Mamba2Mixer,
+    check_state_spec,
+    time_step_limit,
+)
 from hybrid_pd.engine.onednn import linear
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, LayerSpec, StateSpec
@@ -124,7 +129,6 @@ class _Settings:
         self.specs: list[LayerSpec | None] = [
             specs.get(f"model.layers.{i}") for i in range(len(self.kinds))
         ]
-        dt_min = as_float(_get(c, "time_step_min", "mamba_dt_min", 0.001))
         self.mamba = Mamba2Dims(
             hidden=self.hidden,
             heads=_int(_get(c, "mamba_num_heads", None, 128), "mamba_num_heads"),
@@ -137,7 +141,9 @@ class _Settings:
             act=_get(c, "mamba_hidden_act", None, "silu"),
             conv_bias=bool(_get(c, "use_conv_bias", "mamba_conv_bias", True)),
             proj_bias=bool(_get(c, "use_bias", None, False)),
-            dt_limit=(dt_min, float("inf")),
+            # the clamp on dt is time_step_limit (time_step_min only sets dt_bias's init), as
+            # in NVIDIA's code and transformers from 5.25 on (5.24 clamped at time_step_min)
+            dt_limit=time_step_limit(_get(c, "time_step_limit", "mamba_dt_limit", None)),
         )
 
 
