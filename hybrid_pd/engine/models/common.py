@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -22,6 +23,13 @@ def exp_or_zero(x: torch.Tensor, floor: torch.Tensor | float = EXP_ZERO) -> torc
     instead. A tensor floor broadcasts: +inf masks an entry out (its result is 0)."""
     dead = x < floor
     return x.masked_fill_(dead, 0.0).exp_().masked_fill_(dead, 0.0)
+
+
+def causal_exp_floor(size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """exp_or_zero's [size, size] floor for log decays from token j (column) to token i (row):
+    EXP_ZERO where j <= i, +inf above the diagonal (no decay reaches an earlier token)."""
+    floor = torch.full((size, size), EXP_ZERO, device=device)
+    return floor.masked_fill_(torch.ones_like(floor, dtype=torch.bool).triu_(1), math.inf)
 
 
 def routed_tokens(top_idx: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:

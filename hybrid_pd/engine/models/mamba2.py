@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
-from hybrid_pd.engine.models.common import EXP_ZERO, activation, exp_or_zero
+from hybrid_pd.engine.models.common import activation, causal_exp_floor, exp_or_zero
 from hybrid_pd.engine.paged import (
     StateRows,
     read_state,
@@ -155,10 +155,9 @@ def _ssd_packed(x, dt, a_coef, b, c, chunk: int, h0, offsets: list[int], lengths
     seg = torch.empty(nc, heads, chunk, chunk, device=dev)
     torch.sub(prefix[:, :, None, :], prefix[:, :, :, None], out=seg)
     # strong decays make many entries that exp gives as 0 (slowly): exp_or_zero sets them
-    # directly, and the non-causal ones (l < s) with them, since the floor is +inf there
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=dev).triu_()  # [s, l]: l >= s
-    floor = torch.full((chunk, chunk), math.inf, device=dev).masked_fill_(causal, EXP_ZERO)
-    decay = exp_or_zero(seg, floor)  # [nc, H, Q(s), Q(l)]
+    # directly, and the non-causal ones (l < s) with them. The layout is [s, l] (from s to
+    # l), so the floor is transposed.
+    decay = exp_or_zero(seg, causal_exp_floor(chunk, dev).t())  # [nc, H, Q(s), Q(l)]
     # decay from s to the chunk's end, kept before the weights overwrite `decay`
     to_end = decay[..., -1].transpose(1, 2).clone()  # [nc, Q(s), H]
 

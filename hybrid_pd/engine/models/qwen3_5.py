@@ -31,7 +31,6 @@ they are Qwen3.5's q / k / v / z / b / a. Dense layers of a Qwen3-Next MoE model
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -43,11 +42,11 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import (
-    EXP_ZERO,
     GatedMLP,
     RMSNorm,
     Rotary,
     activation,
+    causal_exp_floor,
     exp_or_zero,
     routed_tokens,
 )
@@ -166,8 +165,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
     out = q.new_empty(q.shape[0], n, dv)
     # strong decays make many exp results that are 0 (slow on CPU): exp_or_zero sets them,
     # and the entries above the diagonal with them (floor +inf)
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril_()
-    floor = torch.full((chunk, chunk), EXP_ZERO, device=q.device).masked_fill_(~causal, math.inf)
+    floor = causal_exp_floor(chunk, q.device)
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         qc, kc, vc, bc = q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], beta[:, lo:hi]
