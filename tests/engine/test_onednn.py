@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.onednn import (
+    FusedLinears,
     OneDnnLinear,
     linear,
     onednn_available,
@@ -113,3 +114,64 @@ def test_packed_weight_follows_the_parameter():
         layer.to(torch.float64)  # a dtype oneDNN does not take here: plain F.linear
     xd = x.double()
     torch.testing.assert_close(layer(xd), F.linear(xd, layer.weight, layer.bias))
+
+
+def _siblings(biases, dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    layers = [nn.Linear(64, n, bias=b) for n, b in zip((96, 32, 8), biases, strict=True)]
+    with torch.no_grad():
+        for m in layers:
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g))
+            if m.bias is not None:
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g))
+    for m in layers:
+        m.to(dtype)
+        use_onednn_linears(m)
+    return layers
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("biases", [(False,) * 3, (True,) * 3, (True, False, True)])
+def test_fused_linears_give_each_linear_its_own_output(rows, biases):
+    layers = _siblings(biases)
+    fused = FusedLinears(*layers)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(4))
+    outs = fused(x)
+    assert [o.shape for o in outs] == [(rows, 96), (rows, 32), (rows, 8)]
+    for out, m in zip(outs, layers, strict=True):
+        torch.testing.assert_close(out, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-4)
+    # the outputs are views of one GEMM's result wherever oneDNN ran it
+    if onednn_available():
+        assert outs[0].untyped_storage().data_ptr() == outs[2].untyped_storage().data_ptr()
+
+
+def test_fused_linears_follow_their_parameters_and_copies():
+    import copy
+
+    layers = _siblings((True, True, False))
+    fused = FusedLinears(*layers)
+    x = torch.randn(3, 64)
+    fused(x)
+    with torch.no_grad():
+        layers[1].weight.mul_(-2)  # in place: the packed copy must be rebuilt
+        layers[0].bias.add_(1)
+    for out, m in zip(fused(x), layers, strict=True):
+        torch.testing.assert_close(out, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-4)
+    # a deep copy (a model copied after use) gets its own linears and packs its own weights
+    twin = copy.deepcopy(fused)
+    with torch.no_grad():
+        twin.linears[2].weight.zero_()
+    assert torch.equal(twin(x)[2], torch.zeros(3, 8))
+    torch.testing.assert_close(fused(x)[2], F.linear(x, layers[2].weight), rtol=1e-5, atol=1e-4)
+
+
+def test_fused_linears_fall_back_where_onednn_does_not_run():
+    """float64 (no oneDNN kernel) and an input of another dtype than the weights: each
+    linear runs on its own, with F.linear's exact result."""
+    layers = _siblings((True, False, True), dtype=torch.float64)
+    fused = FusedLinears(*layers)
+    x = torch.randn(4, 64, dtype=torch.float64)
+    for out, m in zip(fused(x), layers, strict=True):
+        assert torch.equal(out, F.linear(x, m.weight, m.bias))
+    with pytest.raises(RuntimeError):
+        fused(x.float())  # what each linear itself says about mixed dtypes

@@ -12,6 +12,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.rope import rotate
+from hybrid_pd.engine.onednn import FusedLinears
 from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.specs import AttentionSpec
 
@@ -53,6 +54,7 @@ class PagedSelfAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_out, bias=bias)
         self.v_proj = nn.Linear(hidden, kv_out, bias=bias)
         self.o_proj = nn.Linear(q_out, hidden, bias=bias)
+        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
@@ -62,9 +64,10 @@ class PagedSelfAttention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden]; `cos_sin` [T, 1, rotary_dim] each when the layer rotates."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         if self.rotary_dim:

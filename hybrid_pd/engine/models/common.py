@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_pd.engine.onednn import FusedLinears
+
 # float32 exp rounds to exactly 0 below this (the smallest denormal is exp(-103.28)).
 EXP_ZERO = -104.0
 
@@ -88,9 +90,11 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self._gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self._gate_up(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 def activation(name: str):

@@ -25,7 +25,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
-from hybrid_pd.engine.onednn import PackedWeights, packed_linear
+from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
 
 SLIDING = "sliding_attention"
@@ -134,6 +134,7 @@ class Gemma3Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         eps = float(s.get("rms_norm_eps"))
         self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
@@ -146,9 +147,10 @@ class Gemma3Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = paged_attention(self.layer_name, q, k, v, batch, scale=self.scale, window=self.window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))

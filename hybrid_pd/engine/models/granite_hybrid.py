@@ -23,7 +23,7 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import RMSNorm, Rotary, activation, copy_weight, routed_tokens
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
-from hybrid_pd.engine.onednn import PackedWeights, packed_linear
+from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
 
 _LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -123,15 +123,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(s.hidden, s.n_kv * s.head_dim, bias=bias)
         self.v_proj = nn.Linear(s.hidden, s.n_kv * s.head_dim, bias=bias)
         self.o_proj = nn.Linear(s.n_heads * s.head_dim, s.hidden, bias=bias)
+        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         self.rotary = (
             Rotary(s.head_dim, s.rope_theta, scaling_factor=s.rope_factor) if s.rope else None
         )
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = h.shape[0]
-        q = self.q_proj(h).view(t, self.n_heads, self.head_dim)
-        k = self.k_proj(h).view(t, self.n_kv, self.head_dim)
-        v = self.v_proj(h).view(t, self.n_kv, self.head_dim)
+        q, k, v = self._qkv(h)
+        q = q.view(t, self.n_heads, self.head_dim)
+        k = k.view(t, self.n_kv, self.head_dim)
+        v = v.view(t, self.n_kv, self.head_dim)
         if self.rotary is not None:
             q = self.rotary(q, batch.positions)
             k = self.rotary(k, batch.positions)

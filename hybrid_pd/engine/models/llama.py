@@ -31,7 +31,7 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, load_checkpoint
 from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings, rotate
-from hybrid_pd.engine.onednn import PackedWeights, packed_linear
+from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
@@ -121,6 +121,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(s.hidden, kv_out, bias=qkv_bias)
         self.v_proj = nn.Linear(s.hidden, kv_out, bias=qkv_bias)
         self.o_proj = nn.Linear(q_out, s.hidden, bias=o_bias)
+        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         if s.family.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, s.eps, scale_after_cast=True)
             self.k_norm = RMSNorm(self.head_dim, s.eps, scale_after_cast=True)
@@ -134,9 +135,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)

@@ -53,7 +53,7 @@ from hybrid_pd.engine.models.common import (
     routed_tokens,
 )
 from hybrid_pd.engine.models.rope import inverse_frequencies, rope_settings
-from hybrid_pd.engine.onednn import linear
+from hybrid_pd.engine.onednn import FusedLinears, linear
 from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, ChunkedLocalSpec
@@ -197,6 +197,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(s.hidden, kv_out, bias=bias)
         self.v_proj = nn.Linear(s.hidden, kv_out, bias=bias)
         self.o_proj = nn.Linear(q_out, s.hidden, bias=bias)
+        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         self.layer_name = f"model.layers.{idx}"
         self.scale = self.head_dim**-0.5
         self.use_rope = s.use_rope[idx]
@@ -210,9 +211,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.use_rope:
             q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         if self.qk_norm_eps is not None:

@@ -50,7 +50,7 @@ from hybrid_pd.engine.models.common import (
     exp_or_zero,
     routed_tokens,
 )
-from hybrid_pd.engine.onednn import linear
+from hybrid_pd.engine.onednn import FusedLinears, linear
 from hybrid_pd.engine.paged import (
     StateRows,
     read_state,
@@ -227,11 +227,15 @@ class GatedDeltaNet(nn.Module):
         if fused:  # Qwen3-Next: rows grouped per key head
             self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_dim, bias=False)
             self.in_proj_ba = nn.Linear(hidden, 2 * self.v_heads, bias=False)
+            self._in_proj = FusedLinears(self.in_proj_qkvz, self.in_proj_ba)
         else:
             self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
             self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
             self.in_proj_b = nn.Linear(hidden, self.v_heads, bias=False)
             self.in_proj_a = nn.Linear(hidden, self.v_heads, bias=False)
+            self._in_proj = FusedLinears(
+                self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+            )
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False
         )
@@ -245,13 +249,14 @@ class GatedDeltaNet(nn.Module):
         gate z [t, Hv, dv], b and a [t, Hv]."""
         t = x.shape[0]
         if not self.fused:
-            z = self.in_proj_z(x).view(t, self.v_heads, self.dv)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            qkv, z, b, a = self._in_proj(x)
+            return qkv, z.view(t, self.v_heads, self.dv), b, a
         r = self.v_heads // self.k_heads
-        qkvz = self.in_proj_qkvz(x).view(t, self.k_heads, 2 * self.dk + 2 * r * self.dv)
+        qkvz, ba = self._in_proj(x)
+        qkvz = qkvz.view(t, self.k_heads, 2 * self.dk + 2 * r * self.dv)
         q, k, v, z = torch.split(qkvz, [self.dk, self.dk, r * self.dv, r * self.dv], -1)
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)
-        b, a = self.in_proj_ba(x).view(t, self.k_heads, 2 * r).split([r, r], -1)
+        b, a = ba.view(t, self.k_heads, 2 * r).split([r, r], -1)
         z = z.reshape(t, self.v_heads, self.dv)
         return qkv, z, b.reshape(t, self.v_heads), a.reshape(t, self.v_heads)
 
@@ -345,6 +350,7 @@ class GatedAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)
+        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         theta, factor = _rope(cfg)
@@ -352,10 +358,11 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        qg = self.q_proj(x).view(t, self.heads, 2 * self.head_dim)
+        qg, k, v = self._qkv(x)
+        qg = qg.view(t, self.heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
         q = self.rotary(self.q_norm(q), batch.positions)
         k = self.rotary(self.k_norm(k), batch.positions)
         o = paged_attention(self.layer_name, q, k, v, batch, scale=self.head_dim**-0.5)
