@@ -40,6 +40,10 @@ MIN_DECODE_ROWS = 1
 # Most elements of one explicit score tensor (softcap / sinks) of a prefill chunk: 64 MiB
 # in float32; longer chunks attend in slices of queries.
 _SCORES = 2**24
+# Fewest queries in one SDPA call of a sliding-window chunk that attends in slices: a chunk
+# of at least two slices' length (and at least two windows) attends slice by slice, each
+# over the keys its queries can see, not over the whole band's square.
+_WINDOW_SLICE = 256
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class SeqPlan:
     offset: int  # first_key's index in the gathered run of slots
     visible: torch.Tensor  # [n, num_tokens - first_key] bool
     causal: bool  # visible is the plain causal square: the chunk starts the sequence
+    window: int | None  # the sliding window, where the chunk attends in slices of queries
+    own_key: int  # the first query's own key: its index in the gathered run (from first_key)
 
 
 @dataclass(frozen=True)
@@ -174,7 +180,13 @@ def _seq_plan(seq: SeqInfo, table: list[int], bs: int, window, chunk, dev) -> Se
         causal=seq.num_computed == 0
         and (window is None or seq.num_new <= window)
         and (chunk is None or seq.num_new <= chunk),
+        window=window if window is not None and seq.num_new >= 2 * _slice(window) else None,
+        own_key=seq.num_computed - lo,
     )
+
+
+def _slice(window: int) -> int:
+    return max(window, _WINDOW_SLICE)
 
 
 def _visible(qpos, kpos, window: int | None, chunk: int | None) -> torch.Tensor:
@@ -247,16 +259,32 @@ def _attend_seq(q, k, v, cache, p: SeqPlan, scale, softcap, sinks) -> torch.Tens
         # 256 tokens and 3.4x at 1,024. A chunk that starts its sequence is the plain causal
         # square, which the kernel skips by blocks (another 1.1-1.6x). Every query sees
         # itself, so no row is fully masked.
-        mask = None if p.causal else p.visible
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            kv[0].to(q.dtype).transpose(0, 1)[None],
-            kv[1].to(q.dtype).transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=p.causal,
-            scale=scale,
-            enable_gqa=hq != hkv,
-        )  # [1, Hq, n, D]
+        q4 = q.transpose(0, 1)[None]
+        k4 = kv[0].to(q.dtype).transpose(0, 1)[None]
+        v4 = kv[1].to(q.dtype).transpose(0, 1)[None]
+        gqa = hq != hkv
+        if p.window is None:
+            mask = None if p.causal else p.visible
+            out = F.scaled_dot_product_attention(
+                q4, k4, v4, attn_mask=mask, is_causal=p.causal, scale=scale, enable_gqa=gqa
+            )  # [1, Hq, n, D]
+            return out[0].transpose(0, 1)
+        # A long sliding-window chunk: each slice of queries attends over the keys from its
+        # first query's window start to its last query, not the whole chunk's keys.
+        n = q.shape[0]
+        out = q4.new_empty(q4.shape)
+        step = _slice(p.window)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            k0, k1 = max(0, p.own_key + a - p.window + 1), p.own_key + b
+            out[:, :, a:b] = F.scaled_dot_product_attention(
+                q4[:, :, a:b],
+                k4[:, :, k0:k1],
+                v4[:, :, k0:k1],
+                attn_mask=p.visible[a:b, k0:k1],
+                scale=scale,
+                enable_gqa=gqa,
+            )
         return out[0].transpose(0, 1)
     # explicit scores, [Hkv, G, n, K] for the query heads sharing a KV head: GQA without
     # repeats; queries in slices of at most _SCORES elements of scores

@@ -53,16 +53,20 @@ def _reference(q, keys, values, num_computed, scale, window, chunk, softcap, sin
     ],
 )
 @pytest.mark.parametrize("num_computed", [0, 7])
-@pytest.mark.parametrize("sliced", [False, True])  # explicit scores a few queries at a time
+# sliced: explicit scores a few queries at a time; on the SDPA path, a sliding window's
+# queries in slices, each over the keys its queries see
+@pytest.mark.parametrize("sliced", [False, True])
 def test_attend_seq_matches_reference(
     window, chunk, softcap, sinks, num_computed, sliced, monkeypatch
 ):
+    sdpa = softcap is None and not sinks
     if sliced:
-        if softcap is None and not sinks:
-            pytest.skip("SDPA path: no slices")
+        if sdpa and window is None:
+            pytest.skip("SDPA path: slices only for a sliding window")
         monkeypatch.setattr(paged_attention, "_SCORES", 2 * HQ * 16)
+        monkeypatch.setattr(paged_attention, "_WINDOW_SLICE", 2)  # slices of max(5, 2)
     g = torch.Generator().manual_seed(0)
-    n = 9
+    n = 12
     total = num_computed + n
     table = [3, 1, 4, 0, 2]  # enough blocks for `total`, out of order
     cache = torch.randn(6, 2, BS, HKV, D, generator=g)
@@ -75,6 +79,7 @@ def test_attend_seq_matches_reference(
     sink = torch.randn(HQ, generator=g) * 2 if sinks else None
     seq = SeqInfo("r", 0, n, num_computed, (table,))
     plan = _seq_plan(seq, table, BS, window, chunk, torch.device("cpu"))
+    assert plan.window == (window if sliced else None)
     new = slice(num_computed, total)
     out = _attend_seq(q, keys[new], values[new], cache, plan, 0.3, softcap, sink)
     expected = _reference(q, keys, values, num_computed, 0.3, window, chunk, softcap, sink)
