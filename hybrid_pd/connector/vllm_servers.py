@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -26,9 +27,37 @@ TCMALLOC = (
 _EXCEPTION_LINE = re.compile(r"(^|[\s)\]])([\w.]+(Error|Exception|Interrupt)): ")
 
 
-def free_port() -> int:
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it hands out to `bind(port 0)` and to outgoing
+    connections (Linux's default where it cannot be read)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A port free on `host` now, for a server started later with it on its command line.
+
+    Chosen below the kernel's ephemeral range where there is room: any port from that range
+    (what binding port 0 gives) can be taken between this probe and the server's own bind
+    by a process that binds port 0 or connects out, and vLLM's engine start does both while
+    our connector's control server waits for its turn. A port below the range is taken
+    only by a process that names it."""
+    low, _ = _ephemeral_ports()
+    if low - 1024 >= 2048:
+        pick = random.SystemRandom()  # not the forked `random` state processes share
+        for _ in range(attempts):
+            port = pick.randrange(max(1024, low - 16384), low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,12 +42,11 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def bench_proxy(prompt_mb: float, reps: int) -> dict[str, Any]:
+    from hybrid_pd.connector.vllm_servers import free_port
     from hybrid_pd.launcher.local import start_worker
 
     worker = start_worker("both", "--kv-memory", "32MiB", "--threads", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proxy = subprocess.Popen(
         [sys.executable, "-m", "hybrid_pd.proxy", "--port", str(port), "--decode", worker.address],
         stdout=subprocess.DEVNULL,

@@ -83,3 +83,25 @@ def test_a_server_that_fails_to_start_is_started_once_more_and_its_root_cause_na
     assert "OSError: [Errno 98] Address already in use" in first
     assert "Engine core initialization failed" not in first
     assert (tmp_path / "server.log").read_text().count("=== restarted ===") == 1
+
+
+def test_free_port_is_below_the_ephemeral_range_and_free():
+    """A port we name on a server's command line must not come from the range the kernel
+    hands to `bind(port 0)`: vLLM's engine start binds such ports while our connector's
+    control server waits for its turn, and took the control port once."""
+    import socket
+
+    from hybrid_pd.connector.vllm_servers import _ephemeral_ports, free_port
+
+    low, high = _ephemeral_ports()
+    assert 1024 <= low <= high
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1  # picked at random, not a fixed sequence
+    for port in ports:
+        assert 1024 <= port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        assert low <= taken <= high  # what vLLM's probing gets, never what free_port gives
