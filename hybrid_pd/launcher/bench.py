@@ -47,6 +47,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="the Python that has vLLM (default: $HYBRID_PD_VLLM_PYTHON)",
     )
     e.add_argument("--peer-env", action="append", default=[], help="KEY=VALUE for the vLLM process")
+    e.add_argument(
+        "--confine-peer",
+        action="store_true",
+        help="--peer: run every vLLM process on the benchmark's CPUs, not only its model "
+        "worker's threads (its front end and engine core otherwise use any free CPU)",
+    )
     e.add_argument("--reps", type=int, default=2, help="alternating repetitions (--peer)")
     e.add_argument("--dtype", default=None, help="default: the checkpoint's, else float32")
     e.add_argument(
@@ -378,6 +384,7 @@ def _cmd_bench_engine_peer(args: argparse.Namespace, sizes: list[int]) -> int:
         threads=args.threads or 1,
         peer_env=parse_env(args.peer_env),
         seed=args.seed,
+        confine_peer=args.confine_peer,
     )
     print(json.dumps(result, indent=2) if args.json else summary(result))
     return 0

@@ -254,8 +254,14 @@ def bench_engine_peer(
     threads: int = 1,
     peer_env: dict[str, str] | None = None,
     seed: int = 0,
+    confine_peer: bool = False,
 ) -> dict[str, Any]:
-    """Our engine against vLLM's (see the module docstring); the child always ends."""
+    """Our engine against vLLM's (see the module docstring); the child always ends.
+
+    vLLM binds only its model worker's threads to `cpus`. Its front end and engine-core
+    processes run wherever the kernel puts them, so on a machine with more CPUs than `cpus`
+    its scheduling and output handling overlap the model on another CPU, while ours share
+    `cpus` with our model. `confine_peer` starts every vLLM process on `cpus` alone."""
     import torch
 
     from hybrid_pd.engine.tiny import resolve_model
@@ -273,16 +279,23 @@ def bench_engine_peer(
     warm = [torch.randint(0, vocab, (16,), generator=gen).tolist() for _ in range(max_bs)]
     affinity = os.sched_getaffinity(0)
     torch_threads = torch.get_num_threads()
-    with VllmPeer(
-        peer_python,
-        path,
-        dtype,
-        max_model_len=prompt_len + decode_tokens,
-        max_batch=max_bs,
-        max_batched_tokens=max_bs * prompt_len,
-        cpus=cpus,
-        env=peer_env or {},
-    ) as peer:
+    if confine_peer:
+        os.sched_setaffinity(0, cpus)  # the peer's processes inherit it
+    try:
+        peer = VllmPeer(
+            peer_python,
+            path,
+            dtype,
+            max_model_len=prompt_len + decode_tokens,
+            max_batch=max_bs,
+            max_batched_tokens=max_bs * prompt_len,
+            cpus=cpus,
+            env=peer_env or {},
+        )
+    except BaseException:
+        os.sched_setaffinity(0, affinity)
+        raise
+    with peer:
         try:
             # the peer started with this process's CPUs; from here ours computes on `cpus`
             os.sched_setaffinity(0, cpus)
@@ -314,6 +327,8 @@ def bench_engine_peer(
             "vllm": len(cpus),
             "cpus": cpus,
             "vllm_omp_threads_bind": peer.info["omp_threads_bind"],
+            # where vLLM's other processes (front end, engine core) may run
+            "vllm_processes_cpus": peer.info["process_cpus"],
         },
         "versions": {
             "torch": torch.__version__,

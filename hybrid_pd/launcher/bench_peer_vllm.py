@@ -96,6 +96,8 @@ class _VllmSide:
             "torch": torch.__version__,
             "dtype": str(self.llm.llm_engine.model_config.dtype).removeprefix("torch."),
             "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+            # the CPUs this front-end process (and the engine-core process it starts) may use
+            "process_cpus": sorted(os.sched_getaffinity(0)),
         }
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Timing:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import pytest
@@ -16,19 +17,25 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_engine_against_vllm(tmp_path, capsys):
+    """With --confine-peer: every vLLM process, not only its model worker, on the bench CPUs
+    (its front end reports where it may run); this process's own CPUs come back after."""
     model = checkpoints.granite_hybrid(tmp_path / "ckpt")
+    affinity = os.sched_getaffinity(0)
     parser = argparse.ArgumentParser()
     add_bench(parser.add_subparsers())
     args = parser.parse_args(
         ["bench", "engine", "--model", str(model), "--peer", "vllm", "--peer-python",
          sys.executable, "--batch-sizes", "1,2", "--prompt-len", "40", "--decode-tokens", "4",
-         "--reps", "2", "--threads", "1", "--dtype", "float32", "--json"]
+         "--reps", "2", "--threads", "1", "--dtype", "float32", "--confine-peer", "--json"]
     )  # fmt: skip
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["peer"] == "vllm" and out["reps"] == 2
     assert out["dtype"] == {"ours": "float32", "vllm": "float32"}
     assert out["threads"]["ours"] == out["threads"]["vllm"] == 1
+    assert out["threads"]["vllm_processes_cpus"] == out["threads"]["cpus"]
+    assert len(out["threads"]["cpus"]) == 1
+    assert os.sched_getaffinity(0) == affinity
     assert out["versions"]["vllm"] and out["versions"]["torch"]
     assert [r["batch_size"] for r in out["runs"]] == [1, 2]
     for r in out["runs"]:
