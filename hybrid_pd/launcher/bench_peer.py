@@ -279,10 +279,10 @@ def bench_engine_peer(
     warm = [torch.randint(0, vocab, (16,), generator=gen).tolist() for _ in range(max_bs)]
     affinity = os.sched_getaffinity(0)
     torch_threads = torch.get_num_threads()
-    if confine_peer:
-        os.sched_setaffinity(0, cpus)  # the peer's processes inherit it
     try:
-        peer = VllmPeer(
+        if confine_peer:
+            os.sched_setaffinity(0, cpus)  # the peer's processes inherit it
+        with VllmPeer(
             peer_python,
             path,
             dtype,
@@ -291,13 +291,9 @@ def bench_engine_peer(
             max_batched_tokens=max_bs * prompt_len,
             cpus=cpus,
             env=peer_env or {},
-        )
-    except BaseException:
-        os.sched_setaffinity(0, affinity)
-        raise
-    with peer:
-        try:
-            # the peer started with this process's CPUs; from here ours computes on `cpus`
+        ) as peer:
+            # the peer has started (on this process's CPUs unless confined); from here
+            # ours computes on `cpus`
             os.sched_setaffinity(0, cpus)
             torch.set_num_threads(threads)
             ours = _OurSide(path, dtype)
@@ -315,9 +311,9 @@ def bench_engine_peer(
                 ours.run(prompts, 2)
                 peer.run(prompts, 2)
                 rows.append(_bench_batch(ours, peer, prompts, decode_tokens, reps))
-        finally:
-            os.sched_setaffinity(0, affinity)
-            torch.set_num_threads(torch_threads)
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(torch_threads)
     return {
         "model": model_name,
         "peer": "vllm",
