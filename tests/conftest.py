@@ -5,6 +5,9 @@ import logging
 import pytest
 import torch
 
+# Engines in this process compute as the engine processes do: subnormals flushed to zero
+# (hybrid_pd/engine/threads.py), set before torch starts a thread.
+torch.set_flush_denormal(True)
 # Tiny models on a busy 2-core machine: intra-op threading costs far more than it gains.
 torch.set_num_threads(1)
 

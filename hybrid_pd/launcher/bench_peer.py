@@ -264,8 +264,10 @@ def bench_engine_peer(
     `cpus` with our model. `confine_peer` starts every vLLM process on `cpus` alone."""
     import torch
 
+    from hybrid_pd.engine.threads import flush_denormals
     from hybrid_pd.engine.tiny import resolve_model
 
+    flush_denormals()  # as every engine process does, before torch starts its threads
     if decode_tokens < 2:
         raise ValueError("--decode-tokens must be at least 2 (decode counts tokens after the 1st)")
     if reps < 1 or not batch_sizes or min(batch_sizes) < 1:

@@ -66,3 +66,47 @@ def test_a_worker_process_logs_its_choice(tmp_path):
         assert f"torch threads: {n} ({why})" in log.read_text()
     finally:
         worker.stop()
+
+
+# A fresh process with two torch threads: products of 1e-20 and 1e-20 (1e-40) are subnormal,
+# so every element of each result is 0 when every thread that computed it flushes them, and
+# about 1e-38 (a 256-term sum of them) otherwise. A batched matmul (MKL) and a linear (oneDNN)
+# each split their work over both threads.
+_SUBNORMALS = """
+import sys, torch
+from hybrid_pd.engine.threads import flush_denormals, set_torch_threads
+if sys.argv[1] == "engine":
+    set_torch_threads(2)
+else:  # a parallel operation first starts the threads, which then never flush
+    torch.set_num_threads(2)
+    torch.ones(1 << 22).mul_(2)
+    flush_denormals()
+a = torch.full((16, 256, 256), 1e-20)
+print(
+    int(torch.count_nonzero(torch.bmm(a, a))),
+    int(torch.count_nonzero(torch.nn.functional.linear(a[0], a[1]))),
+)
+"""
+
+
+def _nonzero_results(mode: str) -> list[int]:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _SUBNORMALS, mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return [int(n) for n in out.stdout.split()]
+
+
+def test_every_engine_thread_flushes_subnormals():
+    if not torch.set_flush_denormal(True):  # this process already flushes (conftest)
+        pytest.skip("this CPU cannot flush subnormals")
+    assert _nonzero_results("engine") == [0, 0]
+    # the check can fail: threads started before the flush keep their subnormals
+    late = _nonzero_results("late")
+    assert late[0] > 0 and late[1] > 0, late
