@@ -8,6 +8,14 @@ INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 #: Most alternatives a request may ask for per token (OpenAI's chat bound).
 MAX_TOP_LOGPROBS = 20
+#: Temperatures below this sample greedily (and are stored as 0). Logits divided by a
+#: temperature of 1e-38 or less overflow float32 to inf and the step failed; from 1e-5 down
+#: the distribution is the argmax's for any logit gap above about 1e-4.
+MIN_TEMPERATURE = 1e-5
+#: A smaller top_p (e.g. 1e-310, a subnormal) is raised to this one: both keep only the top
+#: token, and engine processes, which flush subnormals to zero (hybrid_pd/engine/threads.py),
+#: would read a subnormal as 0 and refuse it.
+MIN_TOP_P = 1e-30
 
 
 @dataclass(frozen=True)
@@ -21,7 +29,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 means greedy. Validated on construction."""
+    """How to pick tokens. temperature 0 (or below MIN_TEMPERATURE) means greedy.
+    Validated on construction."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -66,6 +75,10 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}"
                 )
+        if float(self.temperature) < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        if float(self.top_p) < MIN_TOP_P:
+            object.__setattr__(self, "top_p", MIN_TOP_P)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not s for s in stop):

@@ -66,7 +66,8 @@ def sample(
         probs = torch.softmax(scores, dim=-1)
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
-            keep = sorted_p.cumsum(-1) - sorted_p < p.top_p  # always keeps the top token
+            keep = sorted_p.cumsum(-1) - sorted_p < p.top_p
+            keep[0] = True  # the top token, even where top_p rounds to 0 in float32
             mask = torch.zeros_like(probs, dtype=torch.bool).scatter(0, order, keep)
             probs = probs.masked_fill(~mask, 0.0)
             probs = probs / probs.sum()

@@ -35,3 +35,25 @@ def test_strided_rows_and_the_sampler():
     logits = torch.randn(5, 1000)
     greedy = [SamplingParams(temperature=0.0)] * 5
     assert sample(logits, greedy, [None] * 5) == logits.argmax(dim=-1).tolist()
+
+
+def test_tiny_temperature_and_top_p_sample_the_top_token():
+    # logits / 1e-40 overflowed float32 to inf, and a top_p that rounds to 0 in float32
+    # masked every token: both failed the step (every request on the worker with it)
+    from hybrid_pd.api.sampling import MIN_TOP_P
+
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(3)) * 4
+    top = logits.argmax(dim=-1).tolist()
+    cold = SamplingParams(temperature=1e-40, seed=1)
+    assert cold.temperature == 0.0 and cold.greedy
+    assert sample(logits, [cold] * 4, [None] * 4) == top
+    narrow = SamplingParams(temperature=1.0, top_p=1e-46, seed=1)
+    assert narrow.top_p == MIN_TOP_P
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
+    assert sample(logits, [narrow] * 4, gens) == top
+    # and the sampler keeps the top token for any top_p float32 reads as 0
+    raw = SamplingParams(temperature=1.0, top_p=0.5)
+    object.__setattr__(raw, "top_p", 1e-46)
+    assert sample(logits, [raw] * 4, gens) == top
+    # temperatures from MIN_TEMPERATURE up still sample
+    assert not SamplingParams(temperature=1e-5).greedy

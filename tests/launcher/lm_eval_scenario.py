@@ -12,8 +12,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 TASKS = ("hpd_choice", "hpd_until")
 
 
@@ -128,10 +126,11 @@ def main() -> int:
 
     from hybrid_pd.engine.engine import Engine, EngineConfig
     from hybrid_pd.engine.loader import load_model
+    from hybrid_pd.engine.threads import set_torch_threads
     from hybrid_pd.engine.tiny import resolve_model
     from hybrid_pd.launcher.serve import Deployment, ServeConfig, wait_ready
 
-    torch.set_num_threads(1)
+    set_torch_threads(1)  # as every engine process: subnormals flushed, then 1 thread
     folder = Path(tempfile.mkdtemp(prefix="hpd-lm-eval-"))
     write_tasks(folder, "abcdefghij")
     path = resolve_model("tiny")

@@ -25,7 +25,9 @@ def main() -> int:
     ap.add_argument("--address", required=True)
     ap.add_argument("--requests", type=int, default=50)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    from hybrid_pd.engine.threads import set_torch_threads
+
+    set_torch_threads(1)  # as every engine process: subnormals flushed, then 1 thread
     dep = Deployment(
         # The simulated hosts share one kernel, so UCX would pick shared memory between
         # them, which does not work across network namespaces (real hosts never can): TCP.

@@ -8,8 +8,6 @@ import json
 import sys
 import time
 
-import torch
-
 
 def wait_for(cond, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
@@ -24,9 +22,10 @@ def main() -> int:
     import httpx
     import ray
 
+    from hybrid_pd.engine.threads import set_torch_threads
     from hybrid_pd.launcher.serve import Deployment, ServeConfig, wait_ready
 
-    torch.set_num_threads(1)
+    set_torch_threads(1)  # as every engine process: subnormals flushed, then 1 thread
     result: dict = {}
     failures: list[str] = []
     config = ServeConfig(port=0, kv_memory="16MiB", threads=1, max_recreates=1)

@@ -7,8 +7,6 @@ import json
 import sys
 import time
 
-import torch
-
 
 def main() -> int:
     import openai
@@ -17,10 +15,11 @@ def main() -> int:
     from hybrid_pd.engine.engine import Engine, EngineConfig
     from hybrid_pd.engine.loader import load_model
     from hybrid_pd.engine.sampling import SamplingParams
+    from hybrid_pd.engine.threads import set_torch_threads
     from hybrid_pd.engine.tiny import resolve_model
     from hybrid_pd.launcher.serve import Deployment, ServeConfig, wait_ready
 
-    torch.set_num_threads(1)
+    set_torch_threads(1)  # as every engine process: subnormals flushed, then 1 thread
     result: dict = {}
     dep = Deployment(ServeConfig(port=0, kv_memory="32MiB", threads=1, lease_s=5.0))
     try:
