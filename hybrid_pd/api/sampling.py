@@ -9,8 +9,8 @@ INT64_MAX = 2**63 - 1
 #: Most alternatives a request may ask for per token (OpenAI's chat bound).
 MAX_TOP_LOGPROBS = 20
 #: Temperatures below this sample greedily (and are stored as 0). Logits divided by a
-#: temperature of 1e-38 or less overflow float32 to inf and the step failed; from 1e-5 down
-#: the distribution is the argmax's for any logit gap above about 1e-4.
+#: temperature such as 1e-40 overflow float32 to inf, which failed the step; at 1e-5 a logit
+#: gap of 1e-3 already leaves the runner-up e^-100 of the top token's probability.
 MIN_TEMPERATURE = 1e-5
 #: A smaller top_p (e.g. 1e-310, a subnormal) is raised to this one: both keep only the top
 #: token, and engine processes, which flush subnormals to zero (hybrid_pd/engine/threads.py),

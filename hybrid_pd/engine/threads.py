@@ -13,7 +13,9 @@ per operation, so a Qwen3.5 prefill spent a quarter of its time there. Every eng
 flushes them to zero instead (`flush_denormals`), before its first parallel operation: the
 CPU's flush mode is per thread, and torch's OpenMP threads copy the creating thread's mode
 only when the pool starts. Every engine process flushing is what keeps P/D equal to a
-single engine; the values it changes are 1e38 times smaller than the ones they add to.
+single engine; only values below 1.2e-38 change. The mode governs Python's floats on the
+flushing thread too (a subnormal compares equal to 0), so what clients send is normalised
+before it reaches a worker (`hybrid_pd/api/sampling.py`).
 """
 
 from __future__ import annotations
