@@ -5,9 +5,11 @@ import logging
 import pytest
 import torch
 
-# Engines in this process compute as the engine processes do: subnormals flushed to zero
-# (hybrid_pd/engine/threads.py), set before torch starts a thread.
-torch.set_flush_denormal(True)
+from hybrid_pd.engine.threads import flush_denormals
+
+# Engines in this process compute as the engine processes do: subnormals flushed to zero,
+# set before torch starts a thread.
+flush_denormals()
 # Tiny models on a busy 2-core machine: intra-op threading costs far more than it gains.
 torch.set_num_threads(1)
 

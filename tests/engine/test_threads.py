@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -90,9 +92,6 @@ print(
 
 
 def _nonzero_results(mode: str) -> list[int]:
-    import subprocess
-    import sys
-
     out = subprocess.run(
         [sys.executable, "-c", _SUBNORMALS, mode],
         capture_output=True,
