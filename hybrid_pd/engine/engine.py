@@ -37,6 +37,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's maximum, capped at 32768
+    #: Memory for the decode rows' states kept between steps so the next step need not
+    #: gather them again (KVPool); default a quarter of kv_memory_bytes, at most 1 GiB.
+    held_state_rows_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,12 @@ class Engine:
         self.max_model_len = max_len
         num_blocks = num_blocks_for_memory(self.kv_config, config.kv_memory_bytes)
         self.kv = KVCacheManager(self.kv_config, num_blocks, config.enable_prefix_caching)
-        self.pool = KVPool(self.kv_config, num_blocks, device=self.device)
+        self.pool = KVPool(
+            self.kv_config,
+            num_blocks,
+            device=self.device,
+            held_rows_bytes=config.held_state_rows_bytes,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_batched_tokens,
@@ -225,6 +233,7 @@ class Engine:
                 for s in sched.seqs
             ],
         )
+        self.pool.begin_forward(self.kv.generation)
         hidden = self.model(batch)
         for seq, info in zip(sched.seqs, batch.seqs, strict=True):
             if seq.request.prompt_logprobs is not None:

@@ -37,6 +37,7 @@ def write_state(
     kv = batch.kv
     table = batch.block_table(layer_name, seq)
     if kv.config.group_of(layer_name).blocks_per_state == 1:
+        kv.forget_rows(table[:1])
         for view, s in zip(kv.state_views(layer_name), states, strict=True):
             view[table[0]].copy_(s)
     else:

@@ -68,6 +68,10 @@ class BlockPool:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (null block included): {num_blocks}")
         self.enable_caching = enable_caching
+        #: Calls to `free` that dropped a reference. A block can change owner only after
+        #: one, so memory keyed on the blocks of running requests stays valid while this
+        #: does not move (KVPool's held state rows).
+        self.generation = 0
         self._blocks = [KVBlock(BlockId(i)) for i in range(num_blocks)]
         self.null_block = self._blocks[NULL_BLOCK_ID]
         self._cache: dict[tuple[BlockHash, GroupId], KVBlock] = {}
@@ -281,6 +285,8 @@ class BlockPool:
         the free runs. Null block ignored. Raises IntegrityError on a block whose ref count
         is already 0."""
         todo = [b for b in blocks if not b.is_null]
+        if todo:
+            self.generation += 1
         # Validate the whole call first so a double free changes nothing.
         drops: dict[int, int] = {}
         for block in todo:

@@ -89,10 +89,15 @@ def test_prefix_cache_hits_state_snapshot(loaded, reference):
 
 def test_preemption_recomputes_exactly(loaded, reference):
     # A pool that cannot hold all requests at once forces preemption.
-    engine = make_engine(loaded, kv_memory_bytes=2 * 2**20, enable_prefix_caching=False)
+    engine = make_engine(loaded, kv_memory_bytes=2**20, enable_prefix_caching=False)
     ps = prompts(6, 60, seed=4)
-    outs = engine.generate(ps, GREEDY)
-    assert [o.token_ids for o in outs] == [reference(p) for p in ps]
+    rids = [engine.add_request(p, GREEDY) for p in ps]
+    reqs = [engine.requests[r] for r in rids]
+    got = {}
+    while engine.has_unfinished():
+        got.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert sum(r.num_preemptions for r in reqs) > 0, "nothing was preempted"
+    assert [got[r] for r in rids] == [reference(p) for p in ps]
     assert_clean(engine)
 
 
@@ -164,3 +169,61 @@ def test_logprobs_match_transformers(loaded, tiny_path):
     plain = engine.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert plain.token_ids == out.token_ids and plain.logprobs is None
     assert_clean(engine)
+
+
+def _state_blocks(engine: Engine, rid: str) -> list[int]:
+    from hybrid_pd.kvcache.ids import RequestId
+
+    ids = engine.kv.block_ids(RequestId(rid))
+    groups = [g.group_id for g in engine.kv_config.groups if g.is_state]
+    return [b for g in groups for b in ids[g]]
+
+
+def test_held_state_rows_stay_exact_through_finishes_and_preemption(loaded, reference):
+    """Decode rows' states are held between steps (KVPool) unless the budget is 0: requests
+    finishing at different steps, preemption in a small pool and prefix snapshots give the
+    reference's tokens either way, and the held rows were used."""
+    ps = prompts(6, 60, seed=8)
+    lengths = [5, 32, 12, 32, 20, 9]
+    runs = {}
+    for held in (None, 0):
+        engine = make_engine(loaded, kv_memory_bytes=2**20, held_state_rows_bytes=held)
+        rids = [
+            engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
+            for p, n in zip(ps, lengths, strict=True)
+        ]
+        reqs = [engine.requests[r] for r in rids]
+        got = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    got[o.request_id] = o.token_ids
+        preempted = sum(r.num_preemptions for r in reqs)
+        runs[held] = ([got[r] for r in rids], engine.pool.held_hits, preempted)
+        assert_clean(engine)
+    (tokens, hits, preempted), (plain, plain_hits, _) = runs[None], runs[0]
+    assert tokens == plain == [reference(p, n) for p, n in zip(ps, lengths, strict=True)]
+    assert hits > 50 and plain_hits == 0
+    assert preempted, "the pool was meant to be too small for every request at once"
+
+
+def test_freed_state_blocks_reach_their_new_owner_fresh(loaded, reference):
+    """A request that takes over the state blocks of one that just finished decodes from its
+    own state, not the rows the pool held for the blocks' previous owner."""
+    engine = make_engine(loaded, enable_prefix_caching=False)
+    first, second = prompts(2, 30, seed=9)
+    a = engine.add_request(first, SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.step()
+    blocks_a = _state_blocks(engine, a)
+    while engine.has_unfinished():
+        engine.step()
+    hits = engine.pool.held_hits
+    assert hits > 0
+    b = engine.add_request(second, SamplingParams(max_tokens=6, ignore_eos=True))
+    out = []
+    engine.step()
+    assert _state_blocks(engine, b) == blocks_a, "the test needs the same blocks reused"
+    while engine.has_unfinished():
+        out = [o.token_ids for o in engine.step() if o.finished] or out
+    assert out == [reference(second, 6)]
+    assert engine.pool.held_hits > hits

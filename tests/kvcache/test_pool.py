@@ -237,3 +237,99 @@ def test_state_rows_move_every_bit_pattern() -> None:
     pool.scatter_states("g0", torch.tensor([[1, 3, 7]]), [conv[None], ssm[None]])
     back = pool.read_state("g0", [1, 3, 7])
     assert torch.equal(bits(back[0]), bits(conv)) and torch.equal(bits(back[1]), bits(ssm))
+
+
+def _random_states(layer: str, rows: int, seed: int) -> list[torch.Tensor]:
+    spec = config().group_of(layer).spec
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = (torch.float16, torch.float32) if layer == "m1" else (torch.bfloat16, torch.float32)
+    return [
+        torch.randn((rows, *shape), generator=gen).to(dt)
+        for shape, dt in zip(spec.shapes, dtypes, strict=True)
+    ]
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Bit for bit (random page bytes make NaNs)."""
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8)
+
+    return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("layer", ["m1", "g0"])
+def test_held_rows_come_back_only_while_nothing_else_wrote_them(pool: KVPool, layer) -> None:
+    """scatter_states keeps what it wrote; the next gather of the same blocks, in the same
+    order, gets it without copying, and anything else that may have written those blocks
+    (a freed block: the generation moves; write_state; copy_blocks) makes it gather again."""
+    pool = KVPool(config(), num_blocks=12, device=pool.device)  # room for other blocks
+    span = pool.config.group_of(layer).blocks_per_state
+    tables = [[6, 2, 4], [1, 3, 7]] if span == 3 else [[5], [2], [6]]
+    ids = torch.tensor(tables)
+
+    def pool_rows() -> list[torch.Tensor]:
+        per_row = [pool.read_state(layer, t) for t in tables]
+        return [torch.stack(ts) for ts in zip(*per_row, strict=True)]
+
+    def step(seed: int) -> list[torch.Tensor]:
+        """A decode step: gather, update in place, scatter back."""
+        got = pool.gather_states(layer, ids)
+        for t, new in zip(got, _random_states(layer, len(tables), seed), strict=True):
+            t.copy_(new)
+        pool.scatter_states(layer, ids, got)
+        return got
+
+    step(0)  # before the engine's first begin_forward nothing is held
+    assert pool.held_hits == 0
+    pool.begin_forward(0)
+    step(1)
+    assert pool.held_hits == 0
+    got = pool.gather_states(layer, ids)
+    assert pool.held_hits == 1 and _equal(got, pool_rows())
+    pool.scatter_states(layer, ids, got)
+    # same blocks in another order, or fewer rows: gathered
+    assert _equal(pool.gather_states(layer, ids.flip(0)), [t.flip(0) for t in pool_rows()])
+    assert pool.held_hits == 1
+    step(2)
+
+    # a block was freed (it may have a new owner, whose data arrived behind the pool's back)
+    behind = [b for t in tables[:1] for b in t]
+    pool.buffer[behind] = torch.randint(0, 255, (len(behind), PAGE), dtype=torch.uint8)
+    pool.begin_forward(0)  # generation unchanged: the held rows are stale, and come back
+    assert not _equal(pool.gather_states(layer, ids), pool_rows())
+    step(3)
+    pool.buffer[behind] = torch.randint(0, 255, (len(behind), PAGE), dtype=torch.uint8)
+    pool.begin_forward(1)
+    assert _equal(pool.gather_states(layer, ids), pool_rows())
+    assert pool.held_hits == 2
+
+    # write_state / copy_blocks into one of the rows' blocks: gathered again
+    for write in (
+        lambda: pool.write_state(layer, tables[-1], [t[0] for t in _random_states(layer, 1, 4)]),
+        lambda: pool.copy_blocks([(b, d) for b, d in zip([0] * span, tables[0], strict=True)]),
+    ):
+        step(5)
+        write()
+        hits = pool.held_hits
+        assert _equal(pool.gather_states(layer, ids), pool_rows())
+        assert pool.held_hits == hits
+    # a write to other blocks keeps them
+    step(6)
+    others = [b for b in range(1, 12) if b not in ids.flatten().tolist()][:span]
+    pool.write_state(layer, others, [t[0] for t in _random_states(layer, 1, 7)])
+    pool.gather_states(layer, ids)
+    assert pool.held_hits == 3
+
+
+def test_held_rows_respect_the_budget() -> None:
+    ids = torch.tensor([[6, 2, 4], [1, 3, 7]])
+    nbytes = 2 * 3 * config().group_of("g0").slot_bytes
+    for budget, hits in ((nbytes - 1, 0), (nbytes, 1)):
+        pool = KVPool(config(), num_blocks=8, held_rows_bytes=budget)
+        pool.begin_forward(0)
+        pool.scatter_states("g0", ids, pool.gather_states("g0", ids))
+        pool.gather_states("g0", ids)
+        assert pool.held_hits == hits
+    default = KVPool(config(), num_blocks=8)
+    assert default.held_rows_bytes == 8 * PAGE // 4
