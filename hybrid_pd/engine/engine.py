@@ -37,8 +37,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's maximum, capped at 32768
-    #: Memory for the decode rows' states kept between steps so the next step need not
-    #: gather them again (KVPool); default a quarter of kv_memory_bytes, at most 1 GiB.
+    #: Memory for the decode rows' states kept between steps so that a steady batch
+    #: neither gathers nor scatters them (KVPool held rows); default a quarter of
+    #: kv_memory_bytes, at most 1 GiB; 0 turns it off.
     held_state_rows_bytes: int | None = None
 
 
@@ -93,6 +94,7 @@ class Engine:
             device=self.device,
             held_rows_bytes=config.held_state_rows_bytes,
         )
+        self.pool.hold_rows_for(self.kv.pool)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_batched_tokens,
@@ -233,7 +235,6 @@ class Engine:
                 for s in sched.seqs
             ],
         )
-        self.pool.begin_forward(self.kv.generation)
         hidden = self.model(batch)
         for seq, info in zip(sched.seqs, batch.seqs, strict=True):
             if seq.request.prompt_logprobs is not None:
@@ -270,6 +271,8 @@ class Engine:
         """Prefill role: the first token is sampled; keep the KV for a decode worker."""
         rid = RequestId(req.request_id)
         self.kv.release_out_of_window(rid)
+        # states held by the pool reach the pages the decode worker reads
+        self.pool.flush_rows([b for group in self.kv.block_ids(rid) for b in group])
         keep, params = self.connector.scheduler.request_finished_all_groups(
             req, self.kv.block_ids(rid)
         )

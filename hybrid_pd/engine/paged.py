@@ -22,6 +22,7 @@ def read_state(layer_name: str, batch: ForwardBatch, seq: SeqInfo) -> list[torch
     table = batch.block_table(layer_name, seq)
     group = kv.config.group_of(layer_name)
     if group.blocks_per_state == 1:
+        kv.flush_rows(table[:1])
         states = [view[table[0]] for view in kv.state_views(layer_name)]
         states = [s.clone() for s in states]
     else:
@@ -37,7 +38,7 @@ def write_state(
     kv = batch.kv
     table = batch.block_table(layer_name, seq)
     if kv.config.group_of(layer_name).blocks_per_state == 1:
-        kv.forget_rows(table[:1])
+        kv.flush_rows(table[:1])
         for view, s in zip(kv.state_views(layer_name), states, strict=True):
             view[table[0]].copy_(s)
     else:

@@ -23,7 +23,7 @@ Invariants (checked by `check_integrity`):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NoReturn
 
 from hybrid_pd.kvcache.hashing import BlockHash
@@ -68,10 +68,9 @@ class BlockPool:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (null block included): {num_blocks}")
         self.enable_caching = enable_caching
-        #: Calls to `free` that dropped a reference. A block can change owner only after
-        #: one, so memory keyed on the blocks of running requests stays valid while this
-        #: does not move (KVPool's held state rows).
-        self.generation = 0
+        #: Called with the ids of the blocks `free` is about to release, before any of them
+        #: can change owner (KVPool writes the states it holds for them).
+        self.before_free: Callable[[list[int]], None] | None = None
         self._blocks = [KVBlock(BlockId(i)) for i in range(num_blocks)]
         self.null_block = self._blocks[NULL_BLOCK_ID]
         self._cache: dict[tuple[BlockHash, GroupId], KVBlock] = {}
@@ -285,8 +284,6 @@ class BlockPool:
         the free runs. Null block ignored. Raises IntegrityError on a block whose ref count
         is already 0."""
         todo = [b for b in blocks if not b.is_null]
-        if todo:
-            self.generation += 1
         # Validate the whole call first so a double free changes nothing.
         drops: dict[int, int] = {}
         for block in todo:
@@ -296,6 +293,8 @@ class BlockPool:
                     f"double free: block {block.block_id} (ref count {block.ref_cnt}) freed "
                     f"{drops[id(block)]} times"
                 )
+        if todo and self.before_free is not None:
+            self.before_free([b.block_id for b in todo])
         plain: list[int] = []
         for block in todo:
             block.ref_cnt -= 1

@@ -71,11 +71,6 @@ class KVCacheManager:
 
     # -- queries ---------------------------------------------------------------------------
     @property
-    def generation(self) -> int:
-        """Moves whenever a block may have changed owner (see BlockPool.generation)."""
-        return self.pool.generation
-
-    @property
     def num_requests(self) -> int:
         return len(self._records)
 

@@ -11,13 +11,15 @@ transfers. A layer's view strides over whole pages: `view[b]` is that layer's pa
 block b, for any group that owns the layer.
 
 Held state rows: a decode step gathers each state layer's rows (one per sequence) into
-one tensor, updates it and scatters it back. The pool keeps what it scattered (up to a
-memory budget) and, when the next forward asks for the same blocks in the same order,
-hands that back instead of gathering again: the same bytes, since it also wrote them to
-the pool. The engine enables this with `begin_forward(generation)`, the block allocator's
-count of frees: while no block has been freed, no block of those rows has changed owner,
-and only its owner's steps write a state block. Writes from elsewhere (`write_state`,
-`copy_blocks`, `forget_rows`) drop what they touch.
+one tensor, updates it and scatters it back. With held rows on (`hold_rows_for`, which
+the engine calls), `scatter_states` keeps the rows instead of writing them (up to a memory
+budget), and the next `gather_states` of the same blocks in the same order gets them back:
+a steady decode batch neither gathers nor scatters. Held rows are the only current copy of
+those states, so they are written to their pages (`flush_rows`) before anything else can
+see the pages: when the block allocator is about to free any of their blocks (before a
+block can change owner or enter the prefix cache), before `read_state`, `write_state` and
+`copy_blocks` touch them, before a gather of other rows for the same layer, and when the
+engine hands a request's pages to a decode worker.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ def _words(raw: torch.Tensor) -> torch.Tensor:
     The elements are only copied, never computed on, so every bit pattern (a float64 NaN's
     included) arrives as it was; tests/kvcache/test_pool.py checks it."""
     return raw.view(torch.complex128)
+
+
+def _same_ids(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
 
 
 def _shares_storage(t: torch.Tensor, flat: torch.Tensor) -> bool:
@@ -115,7 +121,7 @@ class KVPool:
         self.held_rows_bytes = held_rows_bytes
         self._held: dict[str, _HeldRows] = {}
         self._held_total = 0
-        self._generation: int | None = None  # None: rows are never held
+        self._holding = False  # see hold_rows_for
         self.held_hits = 0  # gathers answered from held rows
         # Views never change (the buffer is fixed): build each once, layers ask every step.
         self._attention_views: dict[str, torch.Tensor] = {}
@@ -179,6 +185,7 @@ class KVPool:
         raw, span = self._slot(layer_name)
         if len(block_ids) != span:
             raise ValueError(f"{layer_name} needs {span} state blocks, got {len(block_ids)}")
+        self.flush_rows(block_ids)
         idx = torch.tensor(block_ids, device=raw.device)
         flat = raw.index_select(0, idx).reshape(-1)
         offsets, _ = state_tensor_offsets(spec)
@@ -205,22 +212,26 @@ class KVPool:
         for off, t, dtype in zip(offsets, tensors, spec.dtypes, strict=True):
             data = t.to(torch_dtype(dtype)).contiguous().reshape(-1).view(torch.uint8)
             flat[off : off + data.numel()] = data
-        self.forget_rows(block_ids)
+        self.flush_rows(block_ids)
         idx = torch.tensor(block_ids, device=raw.device)
         _words(raw)[idx] = _words(flat.view(span, raw.shape[1]))
 
     def gather_states(self, layer_name: str, block_ids: torch.Tensor) -> list[torch.Tensor]:
         """The states of S requests at once: `block_ids` [S, blocks_per_state] (each row one
-        request's state blocks, in order) -> one [S, *shape] copy per state tensor."""
+        request's state blocks, in order) -> one [S, *shape] copy per state tensor. With
+        held rows on, rows held for exactly these blocks come back as they are (the caller
+        updates them in place and hands them to `scatter_states`)."""
         raw, span = self._slot(layer_name)
         if block_ids.dim() != 2 or block_ids.shape[1] != span:
             raise ValueError(f"{layer_name} needs [S, {span}] state block ids")
-        held = self._take_held(layer_name, block_ids)
+        held = self._held.get(layer_name)
         if held is not None:
-            self.held_hits += 1
-            if held.flat is not None:
-                self._gathered[layer_name] = held.flat
-            return held.tensors
+            if _same_ids(held.block_ids, block_ids):
+                self.held_hits += 1
+                if held.flat is not None:
+                    self._gathered[layer_name] = held.flat
+                return held.tensors
+            self._write_back(layer_name)
         if span == 1:  # index_select: 2.4x faster than view[ids] (8 MiB of float32 rows, CPU)
             return [view.index_select(0, block_ids[:, 0]) for view in self.state_views(layer_name)]
         spec = self.config.group_of(layer_name).spec
@@ -230,6 +241,10 @@ class KVPool:
         flat = _words(raw).index_select(0, block_ids.flatten()).view(torch.uint8)
         flat = flat.view(len(block_ids), -1)
         self._gathered[layer_name] = flat
+        return self._flat_views(layer_name, flat)
+
+    def _flat_views(self, layer_name: str, flat: torch.Tensor) -> list[torch.Tensor]:
+        spec = self.config.group_of(layer_name).spec
         offsets, _ = state_tensor_offsets(spec)
         out = []
         for off, shape, dtype in zip(offsets, spec.shapes, spec.dtypes, strict=True):
@@ -240,7 +255,9 @@ class KVPool:
     def scatter_states(
         self, layer_name: str, block_ids: torch.Tensor, tensors: list[torch.Tensor]
     ) -> None:
-        """Write S requests' states (as `gather_states` returns them) back to their blocks."""
+        """Store S requests' states (as `gather_states` returns them) for their blocks: held
+        (see the module docstring) or written to the pool. Held tensors must not change
+        afterwards except through the next gather of the same rows."""
         raw, span = self._slot(layer_name)
         spec = self.config.group_of(layer_name).spec
         assert isinstance(spec, StateSpec)
@@ -252,12 +269,13 @@ class KVPool:
                 raise ValueError(
                     f"{layer_name}: states of shape {(rows, *shape)} expected, got {tuple(t.shape)}"
                 )
-        if span == 1:  # index_copy_: 1.3x faster than view[ids] = t
-            stored = []
-            for view, t in zip(self.state_views(layer_name), tensors, strict=True):
-                stored.append(t.to(view.dtype))
-                view.index_copy_(0, block_ids[:, 0], stored[-1])
-            self._hold(layer_name, block_ids, stored, None)
+        if span == 1:
+            stored = [
+                t.to(view.dtype)
+                for view, t in zip(self.state_views(layer_name), tensors, strict=True)
+            ]
+            if not self._hold(layer_name, block_ids, stored, None):
+                self._write(layer_name, block_ids, stored, None)
             return
         offsets, _ = state_tensor_offsets(spec)
         width = span * raw.shape[1]
@@ -282,65 +300,80 @@ class KVPool:
                 region.copy_(t)
             end = off + n
         flat[:, end:width] = 0
-        _words(raw)[block_ids.flatten()] = _words(flat.view(rows * span, raw.shape[1]))
-        if self._generation is not None:
-            views = [
-                flat[:, off : off + math.prod(shape) * dtype_bytes(dtype)]
-                .view(torch_dtype(dtype))
-                .unflatten(1, shape)
-                for off, shape, dtype in zip(offsets, spec.shapes, spec.dtypes, strict=True)
-            ]
-            self._hold(layer_name, block_ids, views, flat)
+        if not self._hold(layer_name, block_ids, None, flat):
+            self._write(layer_name, block_ids, None, flat)
+
+    def _write(self, layer_name, block_ids, tensors, flat) -> None:
+        """Write rows' states into their blocks: per-tensor rows (one block per state) or
+        the rows' bytes (several)."""
+        if flat is None:  # index_copy_: 1.3x faster than view[ids] = t
+            for view, t in zip(self.state_views(layer_name), tensors, strict=True):
+                view.index_copy_(0, block_ids[:, 0], t)
+            return
+        raw, _ = self._slot(layer_name)
+        _words(raw)[block_ids.flatten()] = _words(flat.view(-1, raw.shape[1]))
 
     # -- held state rows (see the module docstring) ----------------------------------------
-    def begin_forward(self, generation: int) -> None:
-        """Before each forward: `generation` is the block allocator's count of frees. Rows
-        held from before a free are dropped; the first call enables holding rows."""
-        if generation != self._generation:
-            self.forget_rows()
-            self._generation = generation
+    def hold_rows_for(self, allocator) -> None:
+        """Turn held rows on. `allocator` (the BlockPool handing out this pool's blocks)
+        then calls `flush_rows` with the blocks it is about to free, so held states reach
+        their pages before a block can change owner."""
+        allocator.before_free = self.flush_rows
+        self._holding = True
 
-    def forget_rows(self, block_ids=None) -> None:
-        """Drop held rows (those that include any of `block_ids`, or all): call it before
-        writing state blocks any other way than `scatter_states`."""
+    def flush_rows(self, block_ids=None) -> None:
+        """Write held rows to the pool and drop them: those that include any of
+        `block_ids`, or all. Call it before reading or writing state pages any other way
+        than `gather_states` / `scatter_states`."""
+        if not self._held:
+            return
         if block_ids is None:
-            self._held.clear()
-            self._held_total = 0
-            return
-        touched = {int(b) for b in block_ids}
-        for name, held in list(self._held.items()):
-            if not touched.isdisjoint(held.ids):
-                del self._held[name]
-                self._held_total -= held.nbytes
+            names = list(self._held)
+        else:
+            touched = {int(b) for b in block_ids}
+            names = [n for n, h in self._held.items() if not touched.isdisjoint(h.ids)]
+        for name in names:
+            self._write_back(name)
 
-    def _take_held(self, layer_name: str, block_ids: torch.Tensor) -> _HeldRows | None:
-        """The rows held for the layer if they are exactly these blocks; either way the
-        layer holds none afterwards (the caller updates what it gets in place)."""
-        held = self._held.pop(layer_name, None)
-        if held is None:
-            return None
+    @property
+    def held_rows_total(self) -> int:
+        """Bytes of states held now (pages not yet written)."""
+        return self._held_total
+
+    def _write_back(self, layer_name: str) -> None:
+        held = self._held.pop(layer_name)
         self._held_total -= held.nbytes
-        if held.block_ids.shape != block_ids.shape or not torch.equal(held.block_ids, block_ids):
-            return None
-        return held
+        self._write(layer_name, held.block_ids, held.tensors, held.flat)
 
-    def _hold(self, layer_name, block_ids, tensors, flat) -> None:
-        """Keep what `scatter_states` just wrote, if holding is on and it fits the budget.
-        The tensors must not change afterwards (the layers hand them over and drop them)."""
-        if self._generation is None:
-            return
-        nbytes = flat.numel() if flat is not None else sum(t.nbytes for t in tensors)
+    def _hold(self, layer_name, block_ids, tensors, flat) -> bool:
+        """Keep the rows instead of writing them, if held rows are on and they fit the
+        budget. Rows held for other blocks are written first (they may share blocks)."""
+        if not self._holding:
+            return False
+        old = self._held.get(layer_name)
+        if old is not None:
+            if _same_ids(old.block_ids, block_ids):
+                del self._held[layer_name]  # replaced: these are newer
+                self._held_total -= old.nbytes
+            else:
+                self._write_back(layer_name)
+        if flat is not None:
+            nbytes = flat.numel()
+            tensors = self._flat_views(layer_name, flat)
+        else:
+            nbytes = sum(t.nbytes for t in tensors)
         if self._held_total + nbytes > self.held_rows_bytes:
-            return
+            return False
         ids = frozenset(block_ids.flatten().tolist())
         self._held[layer_name] = _HeldRows(block_ids.clone(), ids, tensors, flat, nbytes)
         self._held_total += nbytes
+        return True
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole pages src -> dst (state snapshots taken from the prefix cache)."""
         if not pairs:
             return
-        self.forget_rows([d for _, d in pairs])
+        self.flush_rows([b for pair in pairs for b in pair])
         src = torch.tensor([s for s, _ in pairs], device=self.device)
         dst = torch.tensor([d for _, d in pairs], device=self.device)
         self.buffer.index_copy_(0, dst, self.buffer.index_select(0, src))

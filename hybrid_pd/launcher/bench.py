@@ -62,6 +62,12 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
         help="CPU threads for each side (default: this process's CPUs; --peer: 1)",
     )
     e.add_argument("--seed", type=int, default=0, help="prompt ids (--peer)")
+    e.add_argument(
+        "--held-state-rows",
+        default=None,
+        help="our engine's memory for decode rows' states held between steps (bytes or "
+        "256MiB; 0 turns it off; default the engine's)",
+    )
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_bench_engine)
     add_bench_vllm(bsub)
@@ -253,6 +259,7 @@ def bench_engine(
     with_transformers: bool = True,
     threads: int | None = None,
     dtype: str | None = None,
+    held_state_rows_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Prefill and decode throughput of our engine and of transformers' generate, same
     checkpoint, same prompts, same process. Prefill time is the time to the first token;
@@ -287,6 +294,7 @@ def bench_engine(
                 kv_memory_bytes=1 << 30,
                 max_num_batched_tokens=prompt_len * bs,
                 enable_prefix_caching=False,
+                held_state_rows_bytes=held_state_rows_bytes,
             ),
             tok,
         )
@@ -361,6 +369,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
         not args.no_transformers,
         threads=args.threads,
         dtype=args.dtype,
+        held_state_rows_bytes=_held_bytes(args),
     )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -385,9 +394,21 @@ def _cmd_bench_engine_peer(args: argparse.Namespace, sizes: list[int]) -> int:
         peer_env=parse_env(args.peer_env),
         seed=args.seed,
         confine_peer=args.confine_peer,
+        held_state_rows_bytes=_held_bytes(args),
     )
     print(json.dumps(result, indent=2) if args.json else summary(result))
     return 0
+
+
+def _held_bytes(args: argparse.Namespace) -> int | None:
+    from hybrid_pd.kvcache.planner import parse_bytes
+
+    if args.held_state_rows is None:
+        return None
+    try:
+        return parse_bytes(args.held_state_rows)
+    except ValueError as e:
+        raise SystemExit(f"--held-state-rows: {e}") from None
 
 
 def _cmd_bench_transfer(args: argparse.Namespace) -> int:

@@ -201,7 +201,7 @@ class VllmPeer:
 
 
 class _OurSide:
-    def __init__(self, path: Path, dtype: str) -> None:
+    def __init__(self, path: Path, dtype: str, held_state_rows_bytes: int | None = None) -> None:
         from hybrid_pd.engine.loader import load_model
         from hybrid_pd.engine.malloc import tune_malloc
 
@@ -209,6 +209,7 @@ class _OurSide:
 
         self.model, self.config, self.tok = load_model(path, dtype=dtype)
         self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        self.held_state_rows_bytes = held_state_rows_bytes
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Timing:
         from hybrid_pd.engine.engine import Engine, EngineConfig
@@ -223,9 +224,11 @@ class _OurSide:
                 max_num_batched_tokens=prompt_len * bs,
                 max_num_seqs=bs,
                 enable_prefix_caching=False,
+                held_state_rows_bytes=self.held_state_rows_bytes,
             ),
             self.tok,
         )
+        self.held_state_rows_bytes = engine.pool.held_rows_bytes  # the default resolved
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
         def submit() -> None:
@@ -255,6 +258,7 @@ def bench_engine_peer(
     peer_env: dict[str, str] | None = None,
     seed: int = 0,
     confine_peer: bool = False,
+    held_state_rows_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Our engine against vLLM's (see the module docstring); the child always ends.
 
@@ -298,7 +302,7 @@ def bench_engine_peer(
             # ours computes on `cpus`
             os.sched_setaffinity(0, cpus)
             torch.set_num_threads(threads)
-            ours = _OurSide(path, dtype)
+            ours = _OurSide(path, dtype, held_state_rows_bytes)
             ours.run(warm, 2)
             peer.run(warm, 2)
             rows = []
@@ -334,6 +338,7 @@ def bench_engine_peer(
             "vllm_torch": peer.info["torch"],
         },
         "reps": reps,
+        "held_state_rows_bytes": ours.held_state_rows_bytes,
         "timing": (
             "prefill: batch submitted to every request's first token; decode: from then to "
             "the last request's end; decode tokens/s counts the tokens after the first"

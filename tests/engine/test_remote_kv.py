@@ -345,3 +345,35 @@ def test_engine_loop_wakes_on_load_end_not_on_its_tick(loaded):
         assert snap["free_blocks"] == snap["num_blocks"] - 1
     finally:
         loop.stop()
+
+
+def test_state_held_by_the_prefill_pool_reaches_the_decode_worker(loaded):
+    """A prompt whose last prefill chunk is one token runs that chunk as a batched state
+    row, which the pool holds instead of writing; handing the request over writes it to
+    the pages the decode worker loads, so decode still gives the single engine's tokens."""
+    model, config, tok = loaded
+    cfg = EngineConfig(kv_memory_bytes=4 * 2**20, max_num_batched_tokens=9)
+    source = Engine(model, config, cfg, tok, KVConnector(scheduler=KeepAll()))
+    if not any(g.is_state for g in source.kv_config.groups):
+        pytest.skip("no state layers")
+    loads = ScriptedLoads(source.pool)
+    decode = make_engine(loaded, connector=KVConnector(worker=loads))
+    loads.dst_pool = decode.pool
+    held_at_flush = []
+    flush = source.pool.flush_rows
+
+    def recording_flush(block_ids=None):
+        held_at_flush.append(source.pool.held_rows_total)
+        flush(block_ids)
+
+    source.pool.flush_rows = recording_flush
+    g = torch.Generator().manual_seed(31)
+    # chunks end on block boundaries when they can (state snapshots): one token past one
+    bs = source.kv.block_size
+    prompt = torch.randint(3, 256, (bs * -(-16 // bs) + 1,), generator=g).tolist()
+    want = make_engine(loaded).generate([prompt], PARAMS)[0].token_ids
+    kv = prefill(source, prompt)
+    assert max(held_at_flush) > 0, "the last chunk's state was not held"
+    assert source.pool.held_rows_total == 0
+    rid = decode.add_request(prompt, PARAMS, "d", output_ids=[kv["first"]], remote_kv=kv)
+    assert drive(decode, loads, complete_all)[rid].token_ids == want

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from hybrid_pd.kvcache import pool as pool_module
+from hybrid_pd.kvcache.block_pool import BlockPool
 from hybrid_pd.kvcache.config import KVCacheConfig, KVCacheGroup, slot_bytes_for
+from hybrid_pd.kvcache.ids import BlockId
 from hybrid_pd.kvcache.pool import KVPool, num_blocks_for_memory
 from hybrid_pd.kvcache.specs import FullAttentionSpec, SlidingWindowSpec, StateSpec
 
@@ -258,78 +260,101 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("layer", ["m1", "g0"])
-def test_held_rows_come_back_only_while_nothing_else_wrote_them(pool: KVPool, layer) -> None:
-    """scatter_states keeps what it wrote; the next gather of the same blocks, in the same
-    order, gets it without copying, and anything else that may have written those blocks
-    (a freed block: the generation moves; write_state; copy_blocks) makes it gather again."""
-    pool = KVPool(config(), num_blocks=12, device=pool.device)  # room for other blocks
-    span = pool.config.group_of(layer).blocks_per_state
-    tables = [[6, 2, 4], [1, 3, 7]] if span == 3 else [[5], [2], [6]]
-    ids = torch.tensor(tables)
+def _tables(span: int, allocator: BlockPool) -> list[list[int]]:
+    return [[b.block_id for b in allocator.allocate(span)] for _ in range(2 if span == 3 else 3)]
 
-    def pool_rows() -> list[torch.Tensor]:
+
+@pytest.mark.parametrize("layer", ["m1", "g0"])
+def test_held_rows_stay_off_the_pages_until_something_else_needs_them(pool, layer) -> None:
+    """With held rows on, scatter_states keeps the rows and the next gather of the same
+    blocks in the same order gets them back; the pages get them before anything else
+    could see them: the allocator freeing one of their blocks, read_state, write_state,
+    copy_blocks, a gather of other rows, flush_rows."""
+    pool = KVPool(config(), num_blocks=16, device=pool.device)  # room for other blocks
+    allocator = BlockPool(16)
+    span = pool.config.group_of(layer).blocks_per_state
+    tables = _tables(span, allocator)
+    ids = torch.tensor(tables)
+    rows = len(tables)
+
+    def pages(table: list[int]) -> torch.Tensor:
+        return pool.buffer[table].clone()
+
+    def read_rows() -> list[torch.Tensor]:
         per_row = [pool.read_state(layer, t) for t in tables]
         return [torch.stack(ts) for ts in zip(*per_row, strict=True)]
 
     def step(seed: int) -> list[torch.Tensor]:
-        """A decode step: gather, update in place, scatter back."""
+        """A decode step: gather, update in place, scatter back; returns the new states."""
         got = pool.gather_states(layer, ids)
-        for t, new in zip(got, _random_states(layer, len(tables), seed), strict=True):
-            t.copy_(new)
+        new = _random_states(layer, rows, seed)
+        for t, n in zip(got, new, strict=True):
+            t.copy_(n)
         pool.scatter_states(layer, ids, got)
-        return got
+        return new
 
-    step(0)  # before the engine's first begin_forward nothing is held
-    assert pool.held_hits == 0
-    pool.begin_forward(0)
-    step(1)
-    assert pool.held_hits == 0
+    new = step(0)  # off: written at once
+    assert _equal(read_rows(), new)
+    pool.hold_rows_for(allocator)
+    before = [pages(t) for t in tables]
+    new = step(1)
+    assert all(torch.equal(pages(t), b) for t, b in zip(tables, before, strict=True))
+    assert pool.held_rows_total > 0
     got = pool.gather_states(layer, ids)
-    assert pool.held_hits == 1 and _equal(got, pool_rows())
+    assert pool.held_hits == 1 and _equal(got, new)
     pool.scatter_states(layer, ids, got)
-    # same blocks in another order, or fewer rows: gathered
-    assert _equal(pool.gather_states(layer, ids.flip(0)), [t.flip(0) for t in pool_rows()])
-    assert pool.held_hits == 1
-    step(2)
 
-    # a block was freed (it may have a new owner, whose data arrived behind the pool's back)
-    behind = [b for t in tables[:1] for b in t]
-    pool.buffer[behind] = torch.randint(0, 255, (len(behind), PAGE), dtype=torch.uint8)
-    pool.begin_forward(0)  # generation unchanged: the held rows are stale, and come back
-    assert not _equal(pool.gather_states(layer, ids), pool_rows())
-    step(3)
-    pool.buffer[behind] = torch.randint(0, 255, (len(behind), PAGE), dtype=torch.uint8)
-    pool.begin_forward(1)
-    assert _equal(pool.gather_states(layer, ids), pool_rows())
-    assert pool.held_hits == 2
+    # read_state writes them first
+    assert _equal(read_rows(), new) and pool.held_rows_total == 0
+    # freeing a block writes them before it can change owner
+    new = step(2)
+    allocator.free([allocator.get_block(BlockId(tables[-1][0]))])
+    assert pool.held_rows_total == 0
+    behind = tables[-1]  # the new owner's bytes arrive behind the pool's back (a transfer)
+    garbage = torch.randint(0, 255, (len(behind), PAGE), dtype=torch.uint8)
+    pool.buffer[behind] = garbage
+    assert _equal([t[:-1] for t in read_rows()], [t[:-1] for t in new])
+    assert torch.equal(pool.buffer[behind], garbage)
+    allocator.touch([allocator.get_block(BlockId(tables[-1][0]))])  # owned again, for the test
 
-    # write_state / copy_blocks into one of the rows' blocks: gathered again
-    for write in (
-        lambda: pool.write_state(layer, tables[-1], [t[0] for t in _random_states(layer, 1, 4)]),
-        lambda: pool.copy_blocks([(b, d) for b, d in zip([0] * span, tables[0], strict=True)]),
+    # a gather of other rows (the same blocks in another order) writes them first
+    new = step(3)
+    hits = pool.held_hits
+    assert _equal(pool.gather_states(layer, ids.flip(0)), [t.flip(0) for t in new])
+    assert pool.held_hits == hits
+    pool.flush_rows()
+    # write_state / copy_blocks into one of their blocks: written first, then overwritten
+    for write, row in (
+        (
+            lambda: pool.write_state(
+                layer, tables[-1], [t[0] for t in _random_states(layer, 1, 4)]
+            ),
+            -1,
+        ),
+        (lambda: pool.copy_blocks(list(zip(tables[-1], tables[0], strict=True))), 0),
     ):
-        step(5)
+        new = step(5)
         write()
-        hits = pool.held_hits
-        assert _equal(pool.gather_states(layer, ids), pool_rows())
-        assert pool.held_hits == hits
-    # a write to other blocks keeps them
+        assert pool.held_rows_total == 0
+        got = read_rows()
+        keep = [i for i in range(rows) if i != (row % rows)]
+        assert _equal([t[keep] for t in got], [t[keep] for t in new])
+    # flush_rows of other blocks keeps them
     step(6)
-    others = [b for b in range(1, 12) if b not in ids.flatten().tolist()][:span]
-    pool.write_state(layer, others, [t[0] for t in _random_states(layer, 1, 7)])
-    pool.gather_states(layer, ids)
-    assert pool.held_hits == 3
+    pool.flush_rows([b for b in range(1, 16) if b not in ids.flatten().tolist()])
+    assert pool.held_rows_total > 0
+    pool.flush_rows()
+    assert pool.held_rows_total == 0
 
 
 def test_held_rows_respect_the_budget() -> None:
-    ids = torch.tensor([[6, 2, 4], [1, 3, 7]])
+    allocator = BlockPool(8)
+    ids = torch.tensor(_tables(3, allocator))
     nbytes = 2 * 3 * config().group_of("g0").slot_bytes
-    for budget, hits in ((nbytes - 1, 0), (nbytes, 1)):
+    for budget, held in ((nbytes - 1, 0), (nbytes, nbytes)):
         pool = KVPool(config(), num_blocks=8, held_rows_bytes=budget)
-        pool.begin_forward(0)
+        pool.hold_rows_for(allocator)
         pool.scatter_states("g0", ids, pool.gather_states("g0", ids))
-        pool.gather_states("g0", ids)
-        assert pool.held_hits == hits
+        assert pool.held_rows_total == held
     default = KVPool(config(), num_blocks=8)
     assert default.held_rows_bytes == 8 * PAGE // 4
