@@ -88,7 +88,8 @@ def _is_region(t: torch.Tensor, flat: torch.Tensor, off: int, dtype: str) -> boo
 
 @dataclass
 class _HeldRows:
-    """What `scatter_states` last wrote for a layer, kept for the next `gather_states`."""
+    """A layer's rows that `scatter_states` kept instead of writing (see the module
+    docstring): the newest states of these blocks, not yet on their pages."""
 
     block_ids: torch.Tensor  # [S, blocks_per_state], as scattered
     ids: frozenset[int]
@@ -343,7 +344,11 @@ class KVPool:
     def _write_back(self, layer_name: str) -> None:
         held = self._held.pop(layer_name)
         self._held_total -= held.nbytes
-        self._write(layer_name, held.block_ids, held.tensors, held.flat)
+        # Held rows are made in the engine's step (inference mode), but blocks are also
+        # freed outside it (an abort, a lease released): writing from inference tensors into
+        # views made there is refused outside inference mode.
+        with torch.inference_mode():
+            self._write(layer_name, held.block_ids, held.tensors, held.flat)
 
     def _hold(self, layer_name, block_ids, tensors, flat) -> bool:
         """Keep the rows instead of writing them, if held rows are on and they fit the

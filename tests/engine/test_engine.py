@@ -227,3 +227,31 @@ def test_freed_state_blocks_reach_their_new_owner_fresh(loaded, reference):
         out = [o.token_ids for o in engine.step() if o.finished] or out
     assert out == [reference(second, 6)]
     assert engine.pool.held_hits > hits
+
+
+def test_aborts_and_failures_outside_a_step_write_held_rows_and_free_every_block(loaded, reference):
+    """A worker aborts requests and fails steps outside the engine's step (outside torch's
+    inference mode, where the held rows were made): the rows still reach their pages, every
+    block is freed, and the requests left keep the reference's tokens."""
+    kept, aborted, failed = prompts(3, 30, seed=10)
+    engine = make_engine(loaded)
+    keep = engine.add_request(kept, SamplingParams(max_tokens=8, ignore_eos=True))
+    drop = engine.add_request(aborted, SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.pool.held_rows_total > 0, "nothing was held: the abort tests nothing"
+    assert not torch.is_inference_mode_enabled()
+    assert engine.abort(drop) is not None
+    out = {}
+    while engine.has_unfinished():
+        out.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert out == {keep: reference(kept, 8)}
+    assert_clean(engine)
+
+    engine.add_request(failed, SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.pool.held_rows_total > 0
+    assert len(engine.fail_all()) == 1
+    assert engine.pool.held_rows_total == 0
+    assert_clean(engine)
