@@ -159,6 +159,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
     p.add_argument("--kv-memory", default="256MiB", help="KV cache memory (bytes or 1GiB)")
+    p.add_argument(
+        "--held-state-rows",
+        type=preflight.held_state_rows_arg,
+        default=None,
+        help=preflight.HELD_STATE_ROWS_HELP,
+    )
     p.add_argument("--device", default=None, help="torch device (default: torch's default)")
     p.add_argument(
         "--threads", type=int, default=None, help="torch threads per engine (default: its CPUs)"
@@ -194,7 +200,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     tune_malloc()
     model, config, tokenizer = load_model(resolve_model(args.model), device=args.device)
     engine = Engine(
-        model, config, EngineConfig(kv_memory_bytes=parse_bytes(args.kv_memory)), tokenizer
+        model,
+        config,
+        EngineConfig(
+            kv_memory_bytes=parse_bytes(args.kv_memory), held_state_rows_bytes=args.held_state_rows
+        ),
+        tokenizer,
     )
     out = engine.generate([_prompt_ids(args, tokenizer)], _sampling(args))[0]
     result = {
@@ -259,6 +270,8 @@ def _cmd_generate_pd(args: argparse.Namespace) -> int:
         common += ["--threads", str(args.threads)]
     if args.device:
         common += ["--device", args.device]
+    if args.held_state_rows is not None:
+        common += ["--held-state-rows", str(args.held_state_rows)]
     secret = secrets.token_urlsafe(32)  # closed by default; it reaches them by environment
     workers = []
     try:
@@ -322,6 +335,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="proxy address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="proxy port (default 8000; 0 picks one)")
     p.add_argument("--kv-memory", help="KV memory per worker (default 1GiB)")
+    p.add_argument(
+        "--held-state-rows",
+        type=preflight.held_state_rows_arg,
+        help=f"per worker: {preflight.HELD_STATE_ROWS_HELP}",
+    )
     p.add_argument(
         "--secret",
         help="shared secret for all worker RPCs (visible in `ps`: prefer --secret-file or "
@@ -415,6 +433,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "host",
         "port",
         "kv_memory",
+        "held_state_rows",
         "secret",
         "secret_file",
         "insecure",

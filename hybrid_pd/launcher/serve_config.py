@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from hybrid_pd.api.secret import SECRET_ENV, given_secret
 from hybrid_pd.kvcache.planner import parse_bytes
 from hybrid_pd.launcher.console import level_of
+from hybrid_pd.launcher.preflight import held_state_rows_bytes
 from hybrid_pd.workers import DEFAULT_MAX_QUEUED
 
 if TYPE_CHECKING:
@@ -68,6 +69,9 @@ class ServeConfig:
     host: str = "127.0.0.1"  # proxy
     port: int = 8000
     kv_memory: str = "1GiB"
+    #: Per worker: memory for decode rows' states kept between steps (EngineConfig.
+    #: held_state_rows_bytes; bytes or "256MiB"; "0" turns it off); None: the engine's default.
+    held_state_rows: str | int | None = None
     #: The control-plane secret; see `resolve_secret` for where else it comes from.
     secret: str | None = None
     #: A file holding the secret (read when `secret` is not set).
@@ -131,6 +135,10 @@ class ServeConfig:
         if self.prefill < 0 or self.decode < 1:
             raise ValueError("serve needs at least one decode worker (--decode >= 1)")
         parse_bytes(self.kv_memory)  # validates
+        if self.held_state_rows is not None:
+            if self.engine == "vllm":
+                raise ValueError("held_state_rows applies to engine hybrid-pd only")
+            held_state_rows_bytes(self.held_state_rows)  # validates
         if self.failure_policy not in ("recompute", "fail"):
             raise ValueError("failure_policy must be 'recompute' or 'fail'")
         if self.max_restarts < 0 or self.max_recreates < 0:
@@ -185,7 +193,10 @@ class ServeConfig:
             model=model_path,
             host=host,
             device=self.device,
-            engine=EngineConfig(kv_memory_bytes=parse_bytes(self.kv_memory)),
+            engine=EngineConfig(
+                kv_memory_bytes=parse_bytes(self.kv_memory),
+                held_state_rows_bytes=held_state_rows_bytes(self.held_state_rows),
+            ),
             secret=self.secret,
             lease_s=self.lease_s,
             failure_policy=self.failure_policy,

@@ -21,6 +21,7 @@ from hybrid_pd.engine.engine import EngineConfig
 from hybrid_pd.engine.malloc import tune_malloc
 from hybrid_pd.engine.threads import set_torch_threads
 from hybrid_pd.kvcache.planner import parse_bytes
+from hybrid_pd.launcher.preflight import HELD_STATE_ROWS_HELP, held_state_rows_arg
 from hybrid_pd.workers.worker import ROLES, Worker, WorkerConfig
 
 
@@ -32,6 +33,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--kv-memory", default="256MiB")
+    p.add_argument(
+        "--held-state-rows",
+        type=held_state_rows_arg,
+        default=None,
+        help=HELD_STATE_ROWS_HELP,
+    )
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(
@@ -109,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         engine=EngineConfig(
             kv_memory_bytes=parse_bytes(args.kv_memory),
+            held_state_rows_bytes=args.held_state_rows,
             block_size=args.block_size,
             max_num_seqs=args.max_num_seqs,
             reuse_prefix_on_load=args.reuse_prefix_on_load,

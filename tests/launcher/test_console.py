@@ -108,3 +108,49 @@ def test_log_level_setting_is_checked(tmp_path):
     path.write_text("log_level: warning\n")
     assert ServeConfig.from_yaml(path).log_level == "warning"
     assert ServeConfig.from_yaml(path, log_level="debug").log_level == "debug"
+
+
+def test_held_state_rows_reach_every_worker_engine(monkeypatch, tmp_path):
+    """--held-state-rows (serve flag or YAML) becomes each worker's
+    EngineConfig.held_state_rows_bytes; a bad size or engine vllm is refused before anything
+    starts."""
+    import hybrid_pd.launcher.serve as serve
+
+    seen = []
+
+    def deployment(config, **_):
+        seen.append(config)
+        raise Started
+
+    monkeypatch.setattr(serve, "Deployment", deployment)
+    monkeypatch.setattr("signal.signal", lambda *_: None)
+    with pytest.raises(Started):
+        cli.main(["serve", "--port", "0", "--held-state-rows", "64MiB"])
+    engine = seen[0].worker_config("decode", "tiny").engine
+    assert engine.held_state_rows_bytes == 64 * 2**20
+    assert ServeConfig().worker_config("decode", "tiny").engine.held_state_rows_bytes is None
+    path = tmp_path / "serve.yaml"
+    path.write_text("held_state_rows: 0\n")
+    off = ServeConfig.from_yaml(path).worker_config("prefill", "tiny").engine
+    assert off.held_state_rows_bytes == 0
+    with pytest.raises(ValueError, match="held_state_rows: cannot read 'lots'"):
+        ServeConfig(held_state_rows="lots")
+    with pytest.raises(ValueError, match="held_state_rows must be a size"):
+        ServeConfig(held_state_rows=True)
+    with pytest.raises(ValueError, match="engine hybrid-pd only"):
+        ServeConfig(engine="vllm", model="some/folder", held_state_rows="1GiB")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--held-state-rows", "12x"])
+    assert e.value.code == 2
+
+
+def test_worker_and_generate_read_held_state_rows():
+    from hybrid_pd.workers.main import parse_args
+
+    assert parse_args(["--role", "both", "--held-state-rows", "1MiB"]).held_state_rows == 2**20
+    assert parse_args(["--role", "both"]).held_state_rows is None
+    with pytest.raises(SystemExit):
+        parse_args(["--role", "both", "--held-state-rows", "-1"])
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--prompt-ids", "3,4", "--held-state-rows", "x"])
+    assert e.value.code == 2
