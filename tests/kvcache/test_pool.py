@@ -358,3 +358,18 @@ def test_held_rows_respect_the_budget() -> None:
         assert pool.held_rows_total == held
     default = KVPool(config(), num_blocks=8)
     assert default.held_rows_bytes == 8 * PAGE // 4
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_scattering_the_gathered_views_keeps_their_buffer(rows: int) -> None:
+    """A decode step hands back the views `gather_states` gave it (states over several
+    blocks): the pool keeps their buffer rather than copying them into a new one, one row
+    included (a one-row view's stride says nothing about the buffer's rows)."""
+    allocator = BlockPool(16)
+    pool = KVPool(config(), num_blocks=16)
+    pool.hold_rows_for(allocator)
+    ids = torch.tensor([[b.block_id for b in allocator.allocate(3)] for _ in range(rows)])
+    got = pool.gather_states("g0", ids)
+    pointers = [t.data_ptr() for t in got]
+    pool.scatter_states("g0", ids, got)
+    assert [t.data_ptr() for t in pool.gather_states("g0", ids)] == pointers
