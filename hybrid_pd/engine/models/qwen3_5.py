@@ -176,7 +176,16 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
         system = system + torch.eye(size, dtype=q.dtype, device=q.device)
         grow = exp_or_zero(cum.clone())
         rhs = torch.cat([bc[..., None] * vc, (bc * grow)[..., None] * kc], dim=-1)
-        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        # solved = system^-1 rhs, computed as solved^T = rhs^T (system^T)^-1 on transposed
+        # views: the same LAPACK solve without copying to column-major, 1.8x faster on CPU
+        # ([8, 64, 64] with 128 right-hand sides: 192 against 346 us, one thread)
+        solved = torch.linalg.solve_triangular(
+            system.transpose(-1, -2),
+            rhs.transpose(-1, -2),
+            upper=True,
+            left=False,
+            unitriangular=True,
+        ).transpose(-1, -2)
         deltas = solved[..., :dv] - solved[..., dv:] @ state  # [H, L, dv]
         scores = (qc @ kc.transpose(-1, -2)) * rel
         out[:, lo:hi] = (qc * grow[..., None]) @ state + scores @ deltas
