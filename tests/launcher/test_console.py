@@ -74,17 +74,8 @@ class Started(Exception):
     pass
 
 
-@pytest.mark.parametrize(
-    ("argv", "level"),
-    [
-        (["serve"], "info"),
-        (["serve", "-v"], "debug"),
-        (["-v", "serve"], "debug"),
-        (["serve", "--log-level", "warning"], "warning"),
-        (["-v", "serve", "--log-level", "error"], "error"),  # the explicit level wins
-    ],
-)
-def test_log_level_flags_reach_the_deployment(monkeypatch, argv, level):
+def _deployed_config(monkeypatch, argv: list[str]) -> ServeConfig:
+    """The ServeConfig `hybrid-pd ARGV` hands to the Deployment (which is not started)."""
     import hybrid_pd.launcher.serve as serve
 
     seen = []
@@ -96,8 +87,22 @@ def test_log_level_flags_reach_the_deployment(monkeypatch, argv, level):
     monkeypatch.setattr(serve, "Deployment", deployment)
     monkeypatch.setattr("signal.signal", lambda *_: None)
     with pytest.raises(Started):
-        cli.main([*argv, "--port", "0"])
-    assert seen[0].log_level == level
+        cli.main(argv)
+    return seen[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "level"),
+    [
+        (["serve"], "info"),
+        (["serve", "-v"], "debug"),
+        (["-v", "serve"], "debug"),
+        (["serve", "--log-level", "warning"], "warning"),
+        (["-v", "serve", "--log-level", "error"], "error"),  # the explicit level wins
+    ],
+)
+def test_log_level_flags_reach_the_deployment(monkeypatch, argv, level):
+    assert _deployed_config(monkeypatch, [*argv, "--port", "0"]).log_level == level
     assert logging.getLogger().level == getattr(logging, level.upper())
 
 
@@ -114,19 +119,8 @@ def test_held_state_rows_reach_every_worker_engine(monkeypatch, tmp_path):
     """--held-state-rows (serve flag or YAML) becomes each worker's
     EngineConfig.held_state_rows_bytes; a bad size or engine vllm is refused before anything
     starts."""
-    import hybrid_pd.launcher.serve as serve
-
-    seen = []
-
-    def deployment(config, **_):
-        seen.append(config)
-        raise Started
-
-    monkeypatch.setattr(serve, "Deployment", deployment)
-    monkeypatch.setattr("signal.signal", lambda *_: None)
-    with pytest.raises(Started):
-        cli.main(["serve", "--port", "0", "--held-state-rows", "64MiB"])
-    engine = seen[0].worker_config("decode", "tiny").engine
+    config = _deployed_config(monkeypatch, ["serve", "--port", "0", "--held-state-rows", "64MiB"])
+    engine = config.worker_config("decode", "tiny").engine
     assert engine.held_state_rows_bytes == 64 * 2**20
     assert ServeConfig().worker_config("decode", "tiny").engine.held_state_rows_bytes is None
     path = tmp_path / "serve.yaml"
