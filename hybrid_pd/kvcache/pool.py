@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -96,10 +97,14 @@ class _HeldRows:
     docstring): the newest states of these blocks, not yet on their pages."""
 
     block_ids: torch.Tensor  # [S, blocks_per_state], as scattered
-    ids: frozenset[int]
     tensors: list[torch.Tensor]  # one [S, *shape] per state tensor, in the pool's dtypes
     flat: torch.Tensor | None  # states over several blocks: the rows' bytes, tensors view it
     nbytes: int
+
+    @cached_property
+    def ids(self) -> frozenset[int]:
+        # only flush_rows(block_ids) asks, far less often than every step holds rows
+        return frozenset(self.block_ids.flatten().tolist())
 
 
 #: Default budget for held state rows: a quarter of the pool, at most this.
@@ -373,8 +378,7 @@ class KVPool:
             nbytes = sum(t.nbytes for t in tensors)
         if self._held_total + nbytes > self.held_rows_bytes:
             return False
-        ids = frozenset(block_ids.flatten().tolist())
-        self._held[layer_name] = _HeldRows(block_ids.clone(), ids, tensors, flat, nbytes)
+        self._held[layer_name] = _HeldRows(block_ids.clone(), tensors, flat, nbytes)
         self._held_total += nbytes
         return True
 

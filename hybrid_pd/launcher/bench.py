@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from hybrid_pd.launcher.bench_vllm import add_bench_vllm
+from hybrid_pd.launcher.preflight import held_state_rows_arg
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +65,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--seed", type=int, default=0, help="prompt ids (--peer)")
     e.add_argument(
         "--held-state-rows",
+        type=held_state_rows_arg,
         default=None,
         help="our engine's memory for decode rows' states held between steps (bytes or "
         "256MiB; 0 turns it off; default the engine's)",
@@ -369,7 +371,7 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
         not args.no_transformers,
         threads=args.threads,
         dtype=args.dtype,
-        held_state_rows_bytes=_held_bytes(args),
+        held_state_rows_bytes=args.held_state_rows,
     )
     if args.json:
         print(json.dumps(result, indent=2))
@@ -394,21 +396,10 @@ def _cmd_bench_engine_peer(args: argparse.Namespace, sizes: list[int]) -> int:
         peer_env=parse_env(args.peer_env),
         seed=args.seed,
         confine_peer=args.confine_peer,
-        held_state_rows_bytes=_held_bytes(args),
+        held_state_rows_bytes=args.held_state_rows,
     )
     print(json.dumps(result, indent=2) if args.json else summary(result))
     return 0
-
-
-def _held_bytes(args: argparse.Namespace) -> int | None:
-    from hybrid_pd.kvcache.planner import parse_bytes
-
-    if args.held_state_rows is None:
-        return None
-    try:
-        return parse_bytes(args.held_state_rows)
-    except ValueError as e:
-        raise SystemExit(f"--held-state-rows: {e}") from None
 
 
 def _cmd_bench_transfer(args: argparse.Namespace) -> int:

@@ -209,7 +209,8 @@ class _OurSide:
 
         self.model, self.config, self.tok = load_model(path, dtype=dtype)
         self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        self.held_state_rows_bytes = held_state_rows_bytes
+        self.held_state_rows_bytes = held_state_rows_bytes  # None: the engine's default
+        self.held_rows_used: int | None = None  # what the last engine resolved it to
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Timing:
         from hybrid_pd.engine.engine import Engine, EngineConfig
@@ -228,7 +229,7 @@ class _OurSide:
             ),
             self.tok,
         )
-        self.held_state_rows_bytes = engine.pool.held_rows_bytes  # the default resolved
+        self.held_rows_used = engine.pool.held_rows_bytes
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
         def submit() -> None:
@@ -338,7 +339,7 @@ def bench_engine_peer(
             "vllm_torch": peer.info["torch"],
         },
         "reps": reps,
-        "held_state_rows_bytes": ours.held_state_rows_bytes,
+        "held_state_rows_bytes": ours.held_rows_used,
         "timing": (
             "prefill: batch submitted to every request's first token; decode: from then to "
             "the last request's end; decode tokens/s counts the tokens after the first"
