@@ -111,18 +111,22 @@ class Server:
         kv_transfer_config: dict | None = None,
         python: str | None = None,
         single_process: bool = False,
+        max_num_seqs: int = 16,
+        kv_cache_bytes: int = 64 << 20,
+        max_model_len: int = 1024,
     ) -> None:
         """`role` + `extra`: hybrid-pd's connector; `kv_transfer_config`: any connector.
         `cpus`: VLLM_CPU_OMP_THREADS_BIND, the CPUs this server computes on. `python`: the
         interpreter that has vLLM (default: this one). `single_process`: the model runs in
         the engine-core process (vLLM's `uni` executor, its default for one GPU) instead of
-        a worker process of its own (its CPU default); one Python start fewer."""
+        a worker process of its own (its CPU default); one Python start fewer.
+        `max_num_seqs`, `kv_cache_bytes`, `max_model_len`: vLLM's flags of those names."""
         self.log = log
         args = [
             python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--host", "127.0.0.1",
-            "--dtype", dtype, "--enforce-eager", "--max-model-len", "1024",
-            "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16",
+            "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", str(max_num_seqs),
             "--uvicorn-log-level", "warning",
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         ]  # fmt: skip

@@ -35,6 +35,18 @@ def add_serve_parser(bsub: argparse._SubParsersAction) -> None:
     s.add_argument("--kv-memory", default="64MiB", help="KV memory of each worker")
     s.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
     s.add_argument("--plot", default=None, help="write TTFT and throughput to this PNG")
+    s.add_argument(
+        "--peer",
+        choices=["vllm"],
+        default=None,
+        help="instead of P/D: our aggregated worker next to vLLM's OpenAI server",
+    )
+    s.add_argument(
+        "--peer-python",
+        default=None,
+        help="--peer vllm: the Python that has vLLM (default: $HYBRID_PD_VLLM_PYTHON)",
+    )
+    s.add_argument("--reps", type=int, default=2, help="--peer: alternating repetitions")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_bench_serve)
 
@@ -67,6 +79,7 @@ def _one_request(client, body: dict) -> dict:
     t0 = time.perf_counter()
     times: list[float] = []
     counts: list[int] = []
+    ids: list[int] = []
     try:
         with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -81,7 +94,9 @@ def _one_request(client, body: dict) -> dict:
                 obj = json.loads(data)
                 if "error" in obj:
                     return {"error": str(obj["error"])[:200]}
-                n = sum(len(c.get("token_ids") or ()) for c in obj.get("choices") or ())
+                got = [t for c in obj.get("choices") or () for t in c.get("token_ids") or ()]
+                ids += got
+                n = len(got)
                 if n:
                     times.append(time.perf_counter())
                     counts.append(n)
@@ -100,6 +115,7 @@ def _one_request(client, body: dict) -> dict:
         "e2e": time.perf_counter() - t0,
         "tokens": sum(counts),
         "itl": itl,
+        "token_ids": ids,
     }
 
 
@@ -137,8 +153,11 @@ def run_level(
     deadline: float,
     desc: str,
     progress: bool = True,
+    keep_token_ids: bool = False,
 ) -> dict:
-    """Send the prompts with at most `concurrency` in flight; none starts after `deadline`."""
+    """Send the prompts with at most `concurrency` in flight; none starts after `deadline`.
+    `keep_token_ids`: the result's `token_ids` maps each completed prompt's index to the
+    token ids streamed back."""
     import httpx
 
     results: list[dict] = []
@@ -164,6 +183,7 @@ def run_level(
                 "return_token_ids": True,
             }
             out = _one_request(client, body)
+            out["index"] = i
             with lock:
                 results.append(out)
                 bar.update()
@@ -182,7 +202,7 @@ def run_level(
         "itl": [g for r in ok for g in r["itl"]],
         "e2e": [r["e2e"] for r in ok],
     }
-    return {
+    row = {
         "concurrency": concurrency,
         "launched": len(results),
         "completed": len(ok),
@@ -194,6 +214,9 @@ def run_level(
         "requests_per_s": round(len(ok) / wall, 3) if ok else None,
         **{f"{k}_ms_p{q}": _ms(v, q) for k, v in series.items() for q in (50, 90)},
     }
+    if keep_token_ids:
+        row["token_ids"] = {r["index"]: r["token_ids"] for r in ok}
+    return row
 
 
 def _start_workers(roles: list[str], args: list[str], env: dict | None) -> list:
@@ -418,6 +441,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         print("bench serve needs httpx: pip install 'hybrid-pd[test]'", file=sys.stderr)
         return 2
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    if args.peer:
+        return _cmd_bench_serve_peer(args, levels)
     result = bench_serve(
         args.model,
         levels,
@@ -457,3 +482,47 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
             )
         print("no leaked KV blocks" if result["no_leaks"] else f"LEAKS: {result['workers']}")
     return 0 if result["no_leaks"] else 1
+
+
+def _cmd_bench_serve_peer(args: argparse.Namespace, levels: list[int]) -> int:
+    from hybrid_pd.launcher.bench_peer import peer_python
+    from hybrid_pd.launcher.bench_serve_peer import bench_serve_peer
+
+    if args.plot:
+        print("--plot is not drawn with --peer", file=sys.stderr)
+    result = bench_serve_peer(
+        args.model,
+        levels,
+        args.requests,
+        args.max_seconds,
+        args.prompt_len,
+        args.max_tokens,
+        args.kv_memory,
+        args.threads,
+        peer_python(args.peer_python),
+        reps=args.reps,
+        progress=not args.json,
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(
+            f"{result['model']} ({result['dtype']}): ours (proxy + one worker) / vLLM's OpenAI "
+            f"server, medians of {result['reps']} alternating reps"
+        )
+        print(f"{'conc':>5} {'tok/s ours':>11} {'vLLM':>8} {'ratio':>6} {'TTFT p50 ours':>14} "
+              f"{'vLLM':>8} {'ITL p50 ours':>13} {'vLLM':>8}")  # fmt: skip
+        for a, b, r in zip(
+            result["setups"]["ours"], result["setups"]["vllm"], result["ratios"], strict=True
+        ):
+            print(
+                f"{a['concurrency']:>5} {a['output_tokens_per_s']!s:>11} "
+                f"{b['output_tokens_per_s']!s:>8} {r['output_tokens_per_s']!s:>6} "
+                f"{a['ttft_ms_p50']!s:>14} {b['ttft_ms_p50']!s:>8} "
+                f"{a['itl_ms_p50']!s:>13} {b['itl_ms_p50']!s:>8}"
+            )
+        g = result["greedy"]
+        print(f"greedy token ids equal: {g['equal']}/{g['compared']} requests")
+        print("no leaked KV blocks" if result["no_leaks"] else f"LEAKS: {result['workers']}")
+    ok = result["no_leaks"] and result["errors"] == 0
+    return 0 if ok else 1

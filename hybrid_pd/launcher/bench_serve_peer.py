@@ -1,0 +1,222 @@
+"""`hybrid-pd bench serve --peer vllm`: the whole serving stack against vLLM's OpenAI server.
+
+Ours is the proxy in front of one aggregated worker (role `both`); vLLM's is its OpenAI API
+server (`python -m vllm.entrypoints.openai.api_server`, eager) under its own Python. Both
+serve the same checkpoint in its own dtype, with the same KV memory and the same most
+sequences per step, and take the same streaming completions (the same prompt token ids,
+greedy, `ignore_eos`) at each concurrency level. Each side keeps its own defaults otherwise
+(the tokens one step may batch, its HTTP server): what an operator gets from either.
+
+Both stay up for the whole run; repetitions alternate which side goes first. While ours is
+measured, vLLM's processes are stopped (SIGSTOP): its idle worker polls for work and would
+take CPU from ours. vLLM's compute threads are bound to the bench CPUs
+(VLLM_CPU_OMP_THREADS_BIND); ours runs `--threads` torch threads, unbound, as `serve` starts
+it. Figures are medians over the repetitions; the ratios are ours / vLLM.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from hybrid_pd.launcher.bench_serve import (
+    NEVER,
+    _prompt,
+    _start_workers,
+    run_level,
+    worker_kv_check,
+)
+
+#: What the JSON's `ratios` compare per level (ours / vLLM).
+RATIO_KEYS = ("output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "e2e_ms_p50")
+
+
+def _median_rows(reps: list[list[dict]]) -> list[dict]:
+    """Per level, the median of every numeric figure over the repetitions."""
+    out = []
+    for rows in zip(*reps, strict=True):
+        merged: dict[str, Any] = {"concurrency": rows[0]["concurrency"]}
+        for key, value in rows[0].items():
+            if key == "concurrency" or not isinstance(value, int | float):
+                continue
+            values = [r[key] for r in rows if r.get(key) is not None]
+            merged[key] = round(statistics.median(values), 3) if values else None
+        merged["errors"] = sum(r["errors"] for r in rows)
+        merged["error_samples"] = sorted({e for r in rows for e in r["error_samples"]})[:3]
+        out.append(merged)
+    return out
+
+
+def _ratio(a, b) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def bench_serve_peer(
+    model: str,
+    concurrency: list[int],
+    requests: int,
+    max_seconds: float,
+    prompt_len: int,
+    max_tokens: int,
+    kv_memory: str,
+    threads: int,
+    peer_python: str,
+    reps: int = 2,
+    progress: bool = True,
+) -> dict[str, Any]:
+    from hybrid_pd.connector.vllm_servers import Server
+    from hybrid_pd.engine.tiny import resolve_model
+    from hybrid_pd.kvcache.planner import parse_bytes
+    from hybrid_pd.launcher.bench_peer import bench_cpus, checkpoint_config, checkpoint_dtype
+    from hybrid_pd.proxy.config import ProxyConfig
+    from hybrid_pd.proxy.server import ProxyHandle
+
+    if reps < 1:
+        raise ValueError("--reps must be at least 1")
+    path = resolve_model(model)
+    model_name = path.name
+    vocab = checkpoint_config(path).get("vocab_size")
+    dtype = checkpoint_dtype(path)
+    levels = list(concurrency)
+    seqs = max(levels)
+    kv_bytes = parse_bytes(kv_memory)
+    cpus = bench_cpus(threads)
+    prompts = {c: [_prompt(f"{c}-{i}", prompt_len, vocab) for i in range(requests)] for c in levels}
+    warm = _prompt("warmup", prompt_len, vocab)
+    budget = max_seconds / (2 * reps)  # per side and repetition: no request starts after it
+
+    worker_args = ["--model", str(path), "--kv-memory", kv_memory, "--threads", str(threads)]
+    worker_args += ["--max-num-seqs", str(seqs)]
+    log = Path(tempfile.mkstemp(prefix="hybrid-pd-bench-serve-vllm-", suffix=".log")[1])
+    peer = Server(
+        path,
+        log,
+        dtype=dtype,
+        cpus=",".join(map(str, cpus)),
+        python=peer_python,
+        max_num_seqs=seqs,
+        kv_cache_bytes=kv_bytes,
+        max_model_len=max(1024, prompt_len + max_tokens),
+    )
+    workers: list = []
+    proxy = None
+    try:
+        workers = _start_workers(["both"], worker_args, None)
+        config = ProxyConfig(
+            served_model_names=(model_name,),
+            model_path=str(path),
+            port=0,
+            prefill_addresses=(workers[0].address,),
+            decode_addresses=(workers[0].address,),
+            min_prefill_tokens=NEVER,
+        )
+        proxy = ProxyHandle(config, port=0).start()
+        peer.wait_ready()
+        urls = {"ours": proxy.url, "vllm": peer.url}
+        names = {"ours": model_name, "vllm": str(path)}  # vLLM serves it under its path
+
+        def run(
+            side: str, rows_of: dict[int, list[list[int]]], deadline: float, rep: int
+        ) -> list[dict]:
+            if side == "ours":
+                peer.pause()
+            else:
+                peer.resume()
+            try:
+                return [
+                    run_level(
+                        urls[side],
+                        names[side],
+                        rows_of[c],
+                        max_tokens,
+                        c,
+                        deadline,
+                        f"{side} rep {rep} c={c}",
+                        progress,
+                        keep_token_ids=True,
+                    )
+                    for c in levels
+                ]
+            finally:
+                peer.resume()
+
+        for side in ("ours", "vllm"):  # warm-up, not measured: a fresh process's first passes
+            if side == "ours":
+                peer.pause()
+            try:
+                deadline = time.monotonic() + 600
+                got = run_level(
+                    urls[side], names[side], [warm], max_tokens, 1, deadline, "", progress=False
+                )
+            finally:
+                peer.resume()
+            if got["errors"]:
+                raise RuntimeError(f"{side}: the warm-up request failed: {got['error_samples']}")
+
+        per_rep: dict[str, list[list[dict]]] = {"ours": [], "vllm": []}
+        for rep in range(reps):
+            order = ("ours", "vllm") if rep % 2 == 0 else ("vllm", "ours")
+            for side in order:
+                per_rep[side].append(run(side, prompts, time.monotonic() + budget, rep))
+        proxy.stop()
+        proxy = None
+        kv_check = worker_kv_check(workers)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for w in workers:
+            w.stop()
+        peer.stop()
+
+    greedy = _greedy_agreement(per_rep)
+    for side in per_rep:  # the ids served their purpose: the JSON keeps figures only
+        for rows in per_rep[side]:
+            for row in rows:
+                row.pop("token_ids", None)
+    ours, theirs = _median_rows(per_rep["ours"]), _median_rows(per_rep["vllm"])
+    ratios = []
+    for k, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        row: dict[str, Any] = {"concurrency": a["concurrency"]}
+        for key in RATIO_KEYS:
+            row[key] = _ratio(a[key], b[key])
+            row[f"{key}_reps"] = [
+                _ratio(x[k][key], y[k][key])
+                for x, y in zip(per_rep["ours"], per_rep["vllm"], strict=True)
+            ]
+        ratios.append(row)
+    return {
+        "model": model,
+        "peer": "vllm",
+        "dtype": dtype,
+        "prompt_len": prompt_len,
+        "max_tokens": max_tokens,
+        "requests": requests,
+        "reps": reps,
+        "max_seconds": max_seconds,
+        "threads": {"ours": threads, "vllm_omp_threads_bind": cpus},
+        "max_num_seqs": seqs,
+        "kv_memory_bytes": kv_bytes,
+        "setups": {"ours": ours, "vllm": theirs},
+        "reps_rows": per_rep,
+        "ratios": ratios,
+        "greedy": greedy,
+        "workers": {"ours": kv_check},
+        "no_leaks": all(w["clean"] for w in kv_check),
+        "errors": sum(r["errors"] for rows in (ours, theirs) for r in rows),
+        "peer_log": str(log),
+    }
+
+
+def _greedy_agreement(per_rep: dict[str, list[list[dict]]]) -> dict[str, int]:
+    """Requests whose greedy token ids both sides returned, and how many of them are equal
+    (the first repetition's; a request cut by the time budget on either side is left out)."""
+    both = equal = 0
+    for a, b in zip(per_rep["ours"][0], per_rep["vllm"][0], strict=True):
+        ids_a, ids_b = a.get("token_ids") or {}, b.get("token_ids") or {}
+        for i in ids_a.keys() & ids_b.keys():
+            both += 1
+            equal += ids_a[i] == ids_b[i]
+    return {"compared": both, "equal": equal}
