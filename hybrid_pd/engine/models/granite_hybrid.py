@@ -187,15 +187,30 @@ class SparseMoE(nn.Module):
         logits = self.router.layer(x).float()
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        if x.shape[0] == 1:
+            return self._one_token(x, top_idx, top_w)
+        return self._routed(x, top_idx, top_w)
+
+    def _routed(self, x, top_idx, top_w) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e, token, slot in routed_tokens(top_idx):
-            w_in, w_out = self.input_linear.weight[e], self.output_linear.weight[e]
-            gate, up = packed_linear(x[token], w_in, self._packs.get(("in", e), w_in)).chunk(
-                2, dim=-1
-            )
-            y = packed_linear(self.act(gate) * up, w_out, self._packs.get(("out", e), w_out))
-            out.index_add_(0, token, y * top_w[token, slot, None])
+            out.index_add_(0, token, self._expert(e, x[token]) * top_w[token, slot, None])
         return out
+
+    def _one_token(self, x, top_idx, top_w) -> torch.Tensor:
+        """`_routed` for one token (a batch-1 decode step): its experts added in the same
+        (ascending) order, bit for bit, without sorting or indexing tokens (about 0.1 ms
+        less per layer)."""
+        out = None
+        for slot, e in sorted(enumerate(top_idx[0].tolist()), key=lambda se: se[1]):
+            y = self._expert(e, x) * top_w[:, slot, None]
+            out = y if out is None else out + y
+        return out
+
+    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        w_in, w_out = self.input_linear.weight[e], self.output_linear.weight[e]
+        gate, up = packed_linear(x, w_in, self._packs.get(("in", e), w_in)).chunk(2, dim=-1)
+        return packed_linear(self.act(gate) * up, w_out, self._packs.get(("out", e), w_out))
 
 
 class DecoderLayer(nn.Module):
