@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.common import RMSNorm, config_int, load_checkpoint, routed_tokens
+from hybrid_pd.engine.models.common import RMSNorm, add_routed, config_int, load_checkpoint
 from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings, rotate
 from hybrid_pd.engine.onednn import FusedLinears, linear
 from hybrid_pd.engine.paged_attention import paged_attention
@@ -166,11 +166,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_logits, top_idx = self.router(x).topk(self.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1)
-        out = torch.zeros_like(x)
-        for e, token, slot in routed_tokens(top_idx):
-            y = self.experts(e, x[token])
-            out.index_add_(0, token, y * top_w[token, slot, None])
-        return out
+
+        def contribution(e: int, token, slot) -> torch.Tensor:
+            return self.experts(e, x[token]) * top_w[token, slot, None]
+
+        return add_routed(torch.zeros_like(x), top_idx, contribution)
 
 
 class DecoderLayer(nn.Module):

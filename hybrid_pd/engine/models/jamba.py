@@ -29,9 +29,9 @@ from hybrid_pd.engine.models.attention import PagedSelfAttention
 from hybrid_pd.engine.models.common import (
     GatedMLP,
     RMSNorm,
+    add_routed,
     config_int,
     load_checkpoint,
-    routed_tokens,
 )
 from hybrid_pd.engine.models.mamba1 import Mamba1Dims, Mamba1Mixer, check_state_spec
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -99,11 +99,11 @@ class SparseMoE(nn.Module):
         probs = torch.softmax(self.router(x).float(), dim=-1)
         top_w, top_idx = probs.topk(self.top_k, dim=-1)
         top_w = top_w.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e, token, slot in routed_tokens(top_idx):
-            y = self.experts[e](x[token])
-            out.index_add_(0, token, y * top_w[token, slot, None])
-        return out
+
+        def contribution(e: int, token, slot) -> torch.Tensor:
+            return self.experts[e](x[token]) * top_w[token, slot, None]
+
+        return add_routed(torch.zeros_like(x), top_idx, contribution)
 
 
 class DecoderLayer(nn.Module):

@@ -48,9 +48,9 @@ from hybrid_pd.engine.models.common import (
     GatedMLP,
     RMSNorm,
     activation,
+    add_routed,
     config_int,
     load_checkpoint,
-    routed_tokens,
 )
 from hybrid_pd.engine.models.rope import inverse_frequencies, rope_settings
 from hybrid_pd.engine.onednn import FusedLinears, linear
@@ -257,9 +257,11 @@ class MoE(nn.Module):
         # the routed outputs summed in float32 and rounded once, as transformers' sum over
         # the expert dim, then added to the shared expert's
         routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e, token, slot in routed_tokens(top_idx):
-            y = self.experts(e, x[token] * scores[token, slot, None])
-            routed.index_add_(0, token, y.float())
+
+        def contribution(e: int, token, slot) -> torch.Tensor:
+            return self.experts(e, x[token] * scores[token, slot, None]).float()
+
+        add_routed(routed, top_idx, contribution)
         return self.shared_expert(x) + routed.to(x.dtype)
 
 

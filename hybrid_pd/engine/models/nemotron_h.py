@@ -46,9 +46,9 @@ from hybrid_pd.engine.models.attention import PagedSelfAttention
 from hybrid_pd.engine.models.common import (
     RMSNorm,
     activation,
+    add_routed,
     config_int,
     copy_weight,
-    routed_tokens,
 )
 from hybrid_pd.engine.models.mamba2 import (
     Mamba2Dims,
@@ -200,10 +200,12 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
-        for e, token, slot in routed_tokens(ids):
+
+        def contribution(e: int, token, slot) -> torch.Tensor:
             y = linear(self.act(linear(x[token], self.up_proj[e])), self.down_proj[e])
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
-        return out.to(x.dtype)
+            return (y * weights[token, slot, None]).to(out.dtype)
+
+        return add_routed(out, ids, contribution).to(x.dtype)
 
 
 class MoE(nn.Module):

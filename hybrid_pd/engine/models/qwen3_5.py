@@ -46,9 +46,9 @@ from hybrid_pd.engine.models.common import (
     RMSNorm,
     Rotary,
     activation,
+    add_routed,
     causal_exp_floor,
     exp_or_zero,
-    routed_tokens,
 )
 from hybrid_pd.engine.onednn import FusedLinears, linear
 from hybrid_pd.engine.paged import (
@@ -408,12 +408,13 @@ class SparseMoE(nn.Module):
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(logits.dtype)
-        out = torch.zeros_like(x)
-        for e, tok, slot in routed_tokens(experts):
+
+        def contribution(e: int, tok, slot) -> torch.Tensor:
             h = x[tok]
             h = self.act(linear(h, self.gate_proj[e])) * linear(h, self.up_proj[e])
-            h = linear(h, self.down_proj[e]) * weights[tok, slot, None]
-            out.index_add_(0, tok, h.to(out.dtype))
+            return (linear(h, self.down_proj[e]) * weights[tok, slot, None]).to(x.dtype)
+
+        out = add_routed(torch.zeros_like(x), experts, contribution)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out + shared
 
