@@ -161,21 +161,27 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
     unit lower-triangular system (I + A) U = beta V - beta exp(G) K S0 with
     A[i, j] = beta_i exp(G_i - G_j) k_i.k_j (j < i); outputs and the end state follow from U.
     """
-    n, dv = q.shape[1], v.shape[-1]
-    out = q.new_empty(q.shape[0], n, dv)
+    h, n, dk = q.shape
+    dv = v.shape[-1]
+    out = q.new_empty(h, n, dv)
     # strong decays make many exp results that are 0 (slow on CPU): exp_or_zero sets them,
     # and the entries above the diagonal with them (floor +inf)
     floor = causal_exp_floor(chunk, q.device)
+    # each block's right-hand sides [beta V | beta exp(G) K], written in place (no cat)
+    rhs_buffer = q.new_empty(h, min(chunk, n), dv + dk)
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)
         qc, kc, vc, bc = q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], beta[:, lo:hi]
         cum = g[:, lo:hi].cumsum(-1)  # [H, L]
         size = hi - lo
         rel = exp_or_zero(cum[:, :, None] - cum[:, None, :], floor[:size, :size])
-        system = (bc[:, :, None] * (kc @ kc.transpose(-1, -2)) * rel).tril(-1)
-        system = system + torch.eye(size, dtype=q.dtype, device=q.device)
+        kt = kc.transpose(-1, -2)
+        system = (kc @ kt).mul_(bc[:, :, None]).mul_(rel).tril_(-1)
+        system.diagonal(dim1=-2, dim2=-1).fill_(1.0)
         grow = exp_or_zero(cum.clone())
-        rhs = torch.cat([bc[..., None] * vc, (bc * grow)[..., None] * kc], dim=-1)
+        rhs = rhs_buffer[:, :size]
+        torch.mul(bc[..., None], vc, out=rhs[..., :dv])
+        torch.mul((bc * grow)[..., None], kc, out=rhs[..., dv:])
         # solved = system^-1 rhs, computed as solved^T = rhs^T (system^T)^-1 on transposed
         # views: the same LAPACK solve without copying to column-major, 1.8x faster on CPU
         # ([8, 64, 64] with 128 right-hand sides: 192 against 346 us, one thread)
@@ -186,12 +192,15 @@ def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = GDN_CHUNK):
             left=False,
             unitriangular=True,
         ).transpose(-1, -2)
-        deltas = solved[..., :dv] - solved[..., dv:] @ state  # [H, L, dv]
-        scores = (qc @ kc.transpose(-1, -2)) * rel
-        out[:, lo:hi] = (qc * grow[..., None]) @ state + scores @ deltas
+        # fused multiply-adds (baddbmm) where a product meets a sum: fewer passes
+        deltas = torch.baddbmm(solved[..., :dv], solved[..., dv:], state, alpha=-1)  # [H, L, dv]
+        scores = (qc @ kt).mul_(rel)
+        out[:, lo:hi] = torch.baddbmm(scores @ deltas, qc * grow[..., None], state)
         # decay from each token to the block end
         tail = exp_or_zero(cum[:, -1:] - cum)[..., None]
-        state = state * grow[:, -1, None, None] + (kc * tail).transpose(-1, -2) @ deltas
+        state = torch.baddbmm(
+            state * grow[:, -1, None, None], (kc * tail).transpose(-1, -2), deltas
+        )
     return out, state
 
 
