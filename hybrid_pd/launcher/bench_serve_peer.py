@@ -40,8 +40,8 @@ def _median_rows(reps: list[list[dict]]) -> list[dict]:
     for rows in zip(*reps, strict=True):
         merged: dict[str, Any] = {"concurrency": rows[0]["concurrency"]}
         for key, value in rows[0].items():
-            if key == "concurrency" or not isinstance(value, int | float):
-                continue
+            if key == "concurrency" or not (value is None or isinstance(value, int | float)):
+                continue  # lists and samples, not figures
             values = [r[key] for r in rows if r.get(key) is not None]
             merged[key] = round(statistics.median(values), 3) if values else None
         merged["errors"] = sum(r["errors"] for r in rows)
@@ -210,13 +210,22 @@ def bench_serve_peer(
     }
 
 
-def _greedy_agreement(per_rep: dict[str, list[list[dict]]]) -> dict[str, int]:
-    """Requests whose greedy token ids both sides returned, and how many of them are equal
-    (the first repetition's; a request cut by the time budget on either side is left out)."""
+def _greedy_agreement(per_rep: dict[str, list[list[dict]]]) -> dict[str, Any]:
+    """Requests whose greedy token ids both sides returned, how many of them are equal, and
+    where the others part (the first repetition's; a request cut by the time budget on
+    either side is left out)."""
     both = equal = 0
+    differing = []
     for a, b in zip(per_rep["ours"][0], per_rep["vllm"][0], strict=True):
         ids_a, ids_b = a.get("token_ids") or {}, b.get("token_ids") or {}
-        for i in ids_a.keys() & ids_b.keys():
+        for i in sorted(ids_a.keys() & ids_b.keys()):
             both += 1
-            equal += ids_a[i] == ids_b[i]
-    return {"compared": both, "equal": equal}
+            if ids_a[i] == ids_b[i]:
+                equal += 1
+                continue
+            first = next(
+                (n for n, (x, y) in enumerate(zip(ids_a[i], ids_b[i], strict=False)) if x != y),
+                min(len(ids_a[i]), len(ids_b[i])),
+            )
+            differing.append({"concurrency": a["concurrency"], "request": i, "first_token": first})
+    return {"compared": both, "equal": equal, "differing": differing}
