@@ -440,20 +440,10 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     except ImportError:
         print("bench serve needs httpx: pip install 'hybrid-pd[test]'", file=sys.stderr)
         return 2
-    levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    load = _load_args(args)
     if args.peer:
-        return _cmd_bench_serve_peer(args, levels)
-    result = bench_serve(
-        args.model,
-        levels,
-        args.requests,
-        args.max_seconds,
-        args.prompt_len,
-        args.max_tokens,
-        args.plot,
-        args.kv_memory,
-        args.threads,
-    )
+        return _cmd_bench_serve_peer(args, load)
+    result = bench_serve(plot=args.plot, **load)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -484,24 +474,28 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0 if result["no_leaks"] else 1
 
 
-def _cmd_bench_serve_peer(args: argparse.Namespace, levels: list[int]) -> int:
+def _load_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags that shape the load, as keywords of `bench_serve` / `bench_serve_peer`."""
+    return {
+        "model": args.model,
+        "concurrency": [int(x) for x in args.concurrency.split(",") if x.strip()],
+        "requests": args.requests,
+        "max_seconds": args.max_seconds,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "kv_memory": args.kv_memory,
+        "threads": args.threads,
+    }
+
+
+def _cmd_bench_serve_peer(args: argparse.Namespace, load: dict[str, Any]) -> int:
     from hybrid_pd.launcher.bench_peer import peer_python
     from hybrid_pd.launcher.bench_serve_peer import bench_serve_peer
 
     if args.plot:
         print("--plot is not drawn with --peer", file=sys.stderr)
     result = bench_serve_peer(
-        args.model,
-        levels,
-        args.requests,
-        args.max_seconds,
-        args.prompt_len,
-        args.max_tokens,
-        args.kv_memory,
-        args.threads,
-        peer_python(args.peer_python),
-        reps=args.reps,
-        progress=not args.json,
+        peer_python=peer_python(args.peer_python), reps=args.reps, progress=not args.json, **load
     )
     if args.json:
         print(json.dumps(result, indent=2))
