@@ -226,3 +226,32 @@ def test_one_token_moe_path_equals_the_routed_path_bit_for_bit(monkeypatch):
     monkeypatch.setattr(granite_hybrid, "add_routed", common._add_by_expert)
     for x, got in zip(xs, fast, strict=True):
         assert torch.equal(got, block(x))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("tokens", [2, 5, 16])
+def test_all_experts_path_matches_each_token_through_its_own_experts(monkeypatch, tokens):
+    """A decode batch whose tokens pick about every expert runs all experts as two GEMMs;
+    its output is each token's weighted experts summed, up to float rounding."""
+    from types import SimpleNamespace
+
+    from hybrid_pd.engine.models import granite_hybrid
+
+    def routed(*args):
+        raise AssertionError("took the routed path")
+
+    torch.manual_seed(tokens)
+    settings = SimpleNamespace(n_experts=4, top_k=2, hidden=64, expert_inter=32, act="silu")
+    block = granite_hybrid.SparseMoE(settings)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    x = torch.randn(tokens, 64)
+    monkeypatch.setattr(granite_hybrid, "add_routed", routed)
+    got = block(x)
+    top_logits, top_idx = block.router.layer(x).float().topk(2, dim=-1)
+    top_w = torch.softmax(top_logits, dim=-1)
+    want = torch.zeros_like(x)
+    for t in range(tokens):
+        for slot in range(2):
+            want[t] += block._expert(int(top_idx[t, slot]), x[t : t + 1])[0] * top_w[t, slot]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
