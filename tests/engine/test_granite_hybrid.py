@@ -229,10 +229,10 @@ def test_one_token_moe_path_equals_the_routed_path_bit_for_bit(monkeypatch):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("tokens", [2, 5, 16])
+@pytest.mark.parametrize("tokens", [4, 9, 32])
 def test_all_experts_path_matches_each_token_through_its_own_experts(monkeypatch, tokens):
-    """A decode batch whose tokens pick about every expert runs all experts as two GEMMs;
-    its output is each token's weighted experts summed, up to float rounding."""
+    """A decode batch whose tokens pick every expert runs all experts as two GEMMs; its
+    output is each token's weighted experts summed, up to float rounding."""
     from types import SimpleNamespace
 
     from hybrid_pd.engine.models import granite_hybrid
@@ -246,12 +246,33 @@ def test_all_experts_path_matches_each_token_through_its_own_experts(monkeypatch
     for param in block.parameters():
         torch.nn.init.normal_(param, std=0.3)
     x = torch.randn(tokens, 64)
+    top_logits, top_idx = block.router.layer(x).float().topk(2, dim=-1)
+    assert top_idx.unique().numel() == 4  # the case under test: every expert picked
     monkeypatch.setattr(granite_hybrid, "add_routed", routed)
     got = block(x)
-    top_logits, top_idx = block.router.layer(x).float().topk(2, dim=-1)
     top_w = torch.softmax(top_logits, dim=-1)
     want = torch.zeros_like(x)
     for t in range(tokens):
         for slot in range(2):
             want[t] += block._expert(int(top_idx[t, slot]), x[t : t + 1])[0] * top_w[t, slot]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_batch_that_leaves_an_expert_out_is_routed(monkeypatch):
+    """Running all experts would read weights no token needs: such a batch is routed."""
+    from types import SimpleNamespace
+
+    from hybrid_pd.engine.models import granite_hybrid
+
+    settings = SimpleNamespace(n_experts=4, top_k=2, hidden=64, expert_inter=32, act="silu")
+    block = granite_hybrid.SparseMoE(settings)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    block.router.layer.weight.zero_()  # equal logits: every token picks experts 0 and 1
+    x = torch.randn(6, 64)
+    called = []
+    real = granite_hybrid.add_routed
+    monkeypatch.setattr(granite_hybrid, "add_routed", lambda *a: called.append(1) or real(*a))
+    block(x)
+    assert called

@@ -23,7 +23,13 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import RMSNorm, Rotary, activation, add_routed, copy_weight
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
-from hybrid_pd.engine.onednn import FusedLinears, linear, onednn_dtype, pack_weight
+from hybrid_pd.engine.onednn import (
+    FusedLinears,
+    PackedWeights,
+    onednn_dtype,
+    pack_weight,
+    packed_linear,
+)
 from hybrid_pd.engine.paged_attention import paged_attention
 
 _LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -168,8 +174,12 @@ class _ExpertWeights(nn.Module):
 
 
 #: Most tokens a MoE layer runs through all its experts at once (`SparseMoE._all_experts`):
-#: up to here a step reads the expert weights, it does not compute on them.
-ALL_EXPERTS_MAX_TOKENS = 16
+#: up to here a CPU step reads the expert weights, it hardly computes on them.
+ALL_EXPERTS_MAX_TOKENS = 32
+#: Largest expert weights (bytes, one layer) that take the all-experts path. It saves two
+#: calls per expert, which matter where experts are small; its packed copy of the experts
+#: costs this much memory again.
+ALL_EXPERTS_MAX_BYTES = 32 * 2**20
 
 
 class SparseMoE(nn.Module):
@@ -178,10 +188,9 @@ class SparseMoE(nn.Module):
     Checkpoint layout: input_linear.weight [E, 2I, hidden] (gate rows, then up rows),
     output_linear.weight [E, hidden, I], router.layer.weight [E, hidden].
 
-    A few tokens that together pick about every expert (a decode batch) go through all the
-    experts as two GEMMs (`_all_experts`); other batches route each token to its experts
-    (`add_routed`, one GEMM pair per expert, plain weights: packing pays only at a few rows,
-    which the all-experts path covers).
+    A few tokens that between them pick every expert (a decode batch) of a layer with small
+    experts go through all the experts as two GEMMs (`_all_experts`); other batches route
+    each token to its experts (`add_routed`, two GEMMs per expert).
     """
 
     def __init__(self, s: _Settings) -> None:
@@ -191,14 +200,14 @@ class SparseMoE(nn.Module):
         self.input_linear = _ExpertWeights((s.n_experts, 2 * s.expert_inter, s.hidden))
         self.output_linear = _ExpertWeights((s.n_experts, s.hidden, s.expert_inter))
         self.act = activation(s.act)
+        self._packs = PackedWeights()
         self._stacked: tuple[tuple, torch.Tensor | None, torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router.layer(x).float()
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)
         top_w = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        t = x.shape[0]
-        if 1 < t <= ALL_EXPERTS_MAX_TOKENS and t * self.top_k >= self.n_experts:
+        if self._all_experts_pay(x, top_idx):
             w_in, w_out = self._stacked_packs(x)
             if w_in is not None and w_out is not None:
                 return self._all_experts(x, top_idx, top_w, w_in, w_out)
@@ -209,16 +218,28 @@ class SparseMoE(nn.Module):
         return add_routed(torch.zeros_like(x), top_idx, contribution)
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.input_linear.weight[e]).chunk(2, dim=-1)
-        return linear(self.act(gate) * up, self.output_linear.weight[e])
+        w_in, w_out = self.input_linear.weight[e], self.output_linear.weight[e]
+        gate, up = packed_linear(x, w_in, self._packs.get(("in", e), w_in)).chunk(2, dim=-1)
+        return packed_linear(self.act(gate) * up, w_out, self._packs.get(("out", e), w_out))
+
+    def _all_experts_pay(self, x: torch.Tensor, top_idx: torch.Tensor) -> bool:
+        """Every expert picked (routing reads every expert's weights anyway), few tokens
+        (reading them, not computing, is the cost), small experts (two calls per expert
+        weigh against their reads)."""
+        t, e = top_idx.shape[0], self.n_experts
+        if not 1 < t <= ALL_EXPERTS_MAX_TOKENS or t * self.top_k < e:
+            return False
+        weights = self.input_linear.weight.numel() + self.output_linear.weight.numel()
+        if weights * x.element_size() > ALL_EXPERTS_MAX_BYTES:
+            return False
+        return int(torch.unique(top_idx).numel()) == e
 
     def _all_experts(self, x, top_idx, top_w, w_in, w_out) -> torch.Tensor:
         """Every expert on every token, weighted by the routing (0 where a token did not pick
         the expert): one GEMM over the experts' input matrices side by side, one over their
-        output matrices end to end, the routing weights applied in between. Same weight
-        bytes as routing when the tokens pick every expert, two calls instead of two per
-        expert (8 tokens, 4 experts: 0.6 against 0.97 ms); the sums run in another order
-        (within float rounding of the routed path)."""
+        output matrices end to end, the routing weights applied in between. The weight bytes
+        of routing, two calls instead of two per expert (8 tokens, 4 experts of 512 x 256:
+        0.6 against 0.97 ms); the sums run in another order (float rounding apart)."""
         t, e = x.shape[0], self.n_experts
         weights = x.new_zeros(t, e).scatter_(1, top_idx, top_w)  # [T, E]
         h = torch.ops.mkldnn._linear_pointwise(x, w_in, None, "none", [], "").view(t, e, -1)
@@ -240,10 +261,6 @@ class SparseMoE(nn.Module):
             flat_out = w_out.detach().permute(1, 0, 2).reshape(hidden, -1)  # a copy
             self._stacked = (key, pack_weight(flat_in), pack_weight(flat_out))
         return self._stacked[1], self._stacked[2]
-
-    def __getstate__(self) -> dict:
-        # the packs are opaque oneDNN tensors (neither copied nor pickled): rebuilt
-        return {**self.__dict__, "_stacked": None}
 
 
 class DecoderLayer(nn.Module):
