@@ -17,6 +17,7 @@ it. Figures are medians over the repetitions; the ratios are ours / vLLM.
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -164,6 +165,9 @@ def bench_serve_peer(
         proxy.stop()
         proxy = None
         kv_check = worker_kv_check(workers)
+    except BaseException:
+        print(f"vLLM's server log: {log}", file=sys.stderr)
+        raise
     finally:
         if proxy is not None:
             proxy.stop()
@@ -171,6 +175,10 @@ def bench_serve_peer(
             w.stop()
         peer.stop()
 
+    errors = sum(r["errors"] for rows in per_rep.values() for rep in rows for r in rep)
+    peer_log = str(log) if errors else None  # kept where something failed
+    if not errors:
+        log.unlink(missing_ok=True)
     greedy = _greedy_agreement(per_rep)
     for side in per_rep:  # the ids served their purpose: the JSON keeps figures only
         for rows in per_rep[side]:
@@ -205,8 +213,8 @@ def bench_serve_peer(
         "greedy": greedy,
         "workers": {"ours": kv_check},
         "no_leaks": all(w["clean"] for w in kv_check),
-        "errors": sum(r["errors"] for rows in (ours, theirs) for r in rows),
-        "peer_log": str(log),
+        "errors": errors,
+        "peer_log": peer_log,
     }
 
 

@@ -30,6 +30,7 @@ def test_bench_serve_against_vllm(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["peer"] == "vllm" and out["reps"] == 2 and out["dtype"] == "float32"
     assert out["errors"] == 0 and out["no_leaks"]
+    assert out["peer_log"] is None  # vLLM's log is kept only where something failed
     assert out["max_num_seqs"] == 3
     for side in ("ours", "vllm"):
         rows = out["setups"][side]
