@@ -9,8 +9,8 @@ import sys
 import time
 from typing import Any
 
+from hybrid_pd.kvcache.planner import held_state_rows_arg
 from hybrid_pd.launcher.bench_vllm import add_bench_vllm
-from hybrid_pd.launcher.preflight import held_state_rows_arg
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:

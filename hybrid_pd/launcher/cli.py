@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from hybrid_pd import __version__
+from hybrid_pd.kvcache.planner import HELD_STATE_ROWS_HELP, held_state_rows_arg
 from hybrid_pd.launcher import preflight
 from hybrid_pd.launcher.console import (
     LOG_LEVELS,
@@ -161,9 +162,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-memory", default="256MiB", help="KV cache memory (bytes or 1GiB)")
     p.add_argument(
         "--held-state-rows",
-        type=preflight.held_state_rows_arg,
+        type=held_state_rows_arg,
         default=None,
-        help=preflight.HELD_STATE_ROWS_HELP,
+        help=HELD_STATE_ROWS_HELP,
     )
     p.add_argument("--device", default=None, help="torch device (default: torch's default)")
     p.add_argument(
@@ -337,8 +338,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-memory", help="KV memory per worker (default 1GiB)")
     p.add_argument(
         "--held-state-rows",
-        type=preflight.held_state_rows_arg,
-        help=f"per worker: {preflight.HELD_STATE_ROWS_HELP}",
+        type=held_state_rows_arg,
+        help=f"per worker: {HELD_STATE_ROWS_HELP}",
     )
     p.add_argument(
         "--secret",

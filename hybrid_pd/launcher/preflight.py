@@ -126,35 +126,3 @@ def check_python(python: str) -> None:
             f"{'is' if len(missing) < 2 else 'are'} not importable there (see docs/vllm.md, "
             "Install; or set HYBRID_PD_VLLM_PYTHON)"
         )
-
-
-#: The help of every --held-state-rows flag (serve, generate, hybrid-pd-worker).
-HELD_STATE_ROWS_HELP = (
-    "memory for decode rows' states held between steps (bytes or 256MiB; 0 turns it off; "
-    "default a quarter of the KV memory, at most 1GiB)"
-)
-
-
-def held_state_rows_bytes(value: str | int | None) -> int | None:
-    """--held-state-rows / `held_state_rows` -> EngineConfig.held_state_rows_bytes (None:
-    the engine's default). ValueError names the setting."""
-    from hybrid_pd.kvcache.planner import parse_bytes
-
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"held_state_rows must be a size, got {value!r}")
-    try:
-        return parse_bytes(value)
-    except ValueError as e:
-        raise ValueError(f"held_state_rows: {e}") from None
-
-
-def held_state_rows_arg(text: str) -> int:
-    """argparse `type` of the --held-state-rows flags: a clear usage error on a bad size."""
-    import argparse
-
-    try:
-        return held_state_rows_bytes(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybrid_pd.api.secret import SECRET_ENV, given_secret
-from hybrid_pd.kvcache.planner import parse_bytes
+from hybrid_pd.kvcache.planner import held_state_rows_bytes, parse_bytes
 from hybrid_pd.launcher.console import level_of
-from hybrid_pd.launcher.preflight import held_state_rows_bytes
 from hybrid_pd.workers import DEFAULT_MAX_QUEUED
 
 if TYPE_CHECKING:

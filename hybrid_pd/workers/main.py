@@ -20,8 +20,7 @@ from hybrid_pd.api.secret import SECRET_ENV, given_secret
 from hybrid_pd.engine.engine import EngineConfig
 from hybrid_pd.engine.malloc import tune_malloc
 from hybrid_pd.engine.threads import set_torch_threads
-from hybrid_pd.kvcache.planner import parse_bytes
-from hybrid_pd.launcher.preflight import HELD_STATE_ROWS_HELP, held_state_rows_arg
+from hybrid_pd.kvcache.planner import HELD_STATE_ROWS_HELP, held_state_rows_arg, parse_bytes
 from hybrid_pd.workers.worker import ROLES, Worker, WorkerConfig
 
 
