@@ -11,6 +11,7 @@ bfloat16 kernels for the processor (`onednn_dtype`); an AVX2-only CPU keeps `F.l
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,16 +69,23 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 class PackedWeights:
     """`pack_weight` copies of weights that are not `nn.Linear`s (the MoE experts' stacked
-    matrices), by name, each rebuilt when its weight changes."""
+    matrices), by name, each rebuilt when its weight changes. `layout` turns the weight into
+    the [out, in] matrix to pack (a reshape or a permuted copy), only when it is rebuilt."""
 
     def __init__(self) -> None:
         self._packs: dict[object, tuple[torch.Tensor | None, tuple]] = {}
 
-    def get(self, name: object, weight: torch.Tensor) -> torch.Tensor | None:
+    def get(
+        self,
+        name: object,
+        weight: torch.Tensor,
+        layout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
         key = (weight.data_ptr(), weight._version, weight.dtype, weight.shape)
         hit = self._packs.get(name)
         if hit is None or hit[1] != key:
-            hit = self._packs[name] = (pack_weight(weight), key)
+            matrix = weight if layout is None else layout(weight.detach())
+            hit = self._packs[name] = (pack_weight(matrix), key)
         return hit[0]
 
 

@@ -23,13 +23,7 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import RMSNorm, Rotary, activation, add_routed, copy_weight
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
-from hybrid_pd.engine.onednn import (
-    FusedLinears,
-    PackedWeights,
-    onednn_dtype,
-    pack_weight,
-    packed_linear,
-)
+from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
 
 _LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -201,7 +195,6 @@ class SparseMoE(nn.Module):
         self.output_linear = _ExpertWeights((s.n_experts, s.hidden, s.expert_inter))
         self.act = activation(s.act)
         self._packs = PackedWeights()
-        self._stacked: tuple[tuple, torch.Tensor | None, torch.Tensor | None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router.layer(x).float()
@@ -249,18 +242,16 @@ class SparseMoE(nn.Module):
 
     def _stacked_packs(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """oneDNN packs of input_linear as [E * 2I, hidden] and output_linear as
-        [hidden, E * I] (built on first use, rebuilt when a weight changes); (None, None)
-        where oneDNN does not take x."""
+        [hidden, E * I] (built on first use, rebuilt when a weight changes); None where
+        oneDNN does not take x."""
         w_in, w_out = self.input_linear.weight, self.output_linear.weight
-        if x.device.type != "cpu" or x.dtype is not w_in.dtype or not onednn_dtype(x.dtype):
+        if x.dtype is not w_in.dtype:
             return None, None
-        key = tuple((w.data_ptr(), w._version, w.dtype, w.shape) for w in (w_in, w_out))
-        if self._stacked is None or self._stacked[0] != key:
-            e, inter2, hidden = w_in.shape
-            flat_in = w_in.detach().reshape(e * inter2, hidden)
-            flat_out = w_out.detach().permute(1, 0, 2).reshape(hidden, -1)  # a copy
-            self._stacked = (key, pack_weight(flat_in), pack_weight(flat_out))
-        return self._stacked[1], self._stacked[2]
+        packed_in = self._packs.get("all_in", w_in, lambda w: w.reshape(-1, w.shape[-1]))
+        packed_out = self._packs.get(
+            "all_out", w_out, lambda w: w.permute(1, 0, 2).reshape(w.shape[1], -1)
+        )
+        return packed_in, packed_out
 
 
 class DecoderLayer(nn.Module):
