@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.launcher.bench_peer_vllm import Timing, rates, timed_steps
+from hybrid_pd.launcher.bench_peer_vllm import Timing, agreeing_tokens, rates, timed_steps
 
 LOAD_TIMEOUT_S = 900.0  # vLLM's import and load on a busy machine
 RUN_TIMEOUT_S = 1800.0  # one batch's generate
@@ -376,20 +376,11 @@ def _bench_batch(
     a, b = first["ours"], first["vllm"]
     row["greedy_equal_sequences"] = sum(x == y for x, y in zip(a, b, strict=True))
     row["greedy_agreeing_tokens_mean"] = round(
-        statistics.mean(_agree(x, y) for x, y in zip(a, b, strict=True)), 2
+        statistics.mean(agreeing_tokens(x, y) for x, y in zip(a, b, strict=True)), 2
     )
     row["ours_token_ids_rep0"] = a
     row["vllm_token_ids_rep0"] = b
     return row
-
-
-def _agree(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def summary(result: dict[str, Any]) -> str:

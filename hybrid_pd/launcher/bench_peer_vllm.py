@@ -71,6 +71,16 @@ def rates(batch_size: int, prompt_len: int, max_tokens: int, timing: Timing) -> 
     return prefill, decode
 
 
+def agreeing_tokens(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids two outputs share (where they part, if they do)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class _VllmSide:
     def __init__(self, args: argparse.Namespace) -> None:
         import vllm

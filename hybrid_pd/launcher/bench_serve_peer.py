@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybrid_pd.launcher.bench_peer_vllm import agreeing_tokens
 from hybrid_pd.launcher.bench_serve import (
     NEVER,
     _prompt,
@@ -119,41 +120,30 @@ def bench_serve_peer(
         urls = {"ours": proxy.url, "vllm": peer.url}
         names = {"ours": model_name, "vllm": str(path)}  # vLLM serves it under its path
 
-        def run(
-            side: str, rows_of: dict[int, list[list[int]]], deadline: float, rep: int
-        ) -> list[dict]:
+        def run(side, prompts_of: dict[int, list[list[int]]], deadline, desc, show=progress):
+            """Each level's prompts on one side, the other side's processes stopped."""
             if side == "ours":
                 peer.pause()
-            else:
-                peer.resume()
             try:
                 return [
                     run_level(
                         urls[side],
                         names[side],
-                        rows_of[c],
+                        level_prompts,
                         max_tokens,
                         c,
                         deadline,
-                        f"{side} rep {rep} c={c}",
-                        progress,
+                        f"{side} {desc} c={c}",
+                        show,
                         keep_token_ids=True,
                     )
-                    for c in levels
+                    for c, level_prompts in prompts_of.items()
                 ]
             finally:
                 peer.resume()
 
         for side in ("ours", "vllm"):  # warm-up, not measured: a fresh process's first passes
-            if side == "ours":
-                peer.pause()
-            try:
-                deadline = time.monotonic() + 600
-                got = run_level(
-                    urls[side], names[side], [warm], max_tokens, 1, deadline, "", progress=False
-                )
-            finally:
-                peer.resume()
+            (got,) = run(side, {1: [warm]}, time.monotonic() + 600, "warm-up", show=False)
             if got["errors"]:
                 raise RuntimeError(f"{side}: the warm-up request failed: {got['error_samples']}")
 
@@ -161,7 +151,7 @@ def bench_serve_peer(
         for rep in range(reps):
             order = ("ours", "vllm") if rep % 2 == 0 else ("vllm", "ours")
             for side in order:
-                per_rep[side].append(run(side, prompts, time.monotonic() + budget, rep))
+                per_rep[side].append(run(side, prompts, time.monotonic() + budget, f"rep {rep}"))
         proxy.stop()
         proxy = None
         kv_check = worker_kv_check(workers)
@@ -231,9 +221,6 @@ def _greedy_agreement(per_rep: dict[str, list[list[dict]]]) -> dict[str, Any]:
             if ids_a[i] == ids_b[i]:
                 equal += 1
                 continue
-            first = next(
-                (n for n, (x, y) in enumerate(zip(ids_a[i], ids_b[i], strict=False)) if x != y),
-                min(len(ids_a[i]), len(ids_b[i])),
-            )
+            first = agreeing_tokens(ids_a[i], ids_b[i])
             differing.append({"concurrency": a["concurrency"], "request": i, "first_token": first})
     return {"compared": both, "equal": equal, "differing": differing}

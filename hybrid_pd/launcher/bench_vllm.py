@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_pd.connector.vllm_servers import Server, cpu_halves, free_port, start_all
+from hybrid_pd.launcher.bench_peer_vllm import agreeing_tokens
 
 CONNECTORS = ("hybrid-pd", "nixl")
 
@@ -134,15 +135,6 @@ def _public(row: dict) -> dict:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k != "ids"}
 
 
-def _agree(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def bench_vllm(args: argparse.Namespace) -> dict[str, Any]:
     model = Path(args.model)
     if not (model / "config.json").exists():
@@ -186,7 +178,7 @@ def bench_vllm(args: argparse.Namespace) -> dict[str, Any]:
                     finally:
                         for other in pairs:
                             other.resume()
-                    r.update(prompt_len=len(q), rep=rep, agree=_agree(r["ids"], refs[i]))
+                    r.update(prompt_len=len(q), rep=rep, agree=agreeing_tokens(r["ids"], refs[i]))
                     r["exact"] = r["ids"] == refs[i]
                     rows[p.name].append(r)
         # What each decode server says it received (counters and histogram sums/counts).
