@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hybrid_pd.connector.base import KVConnector
+from hybrid_pd.engine import cpu_kernels
 from hybrid_pd.engine.batch import make_batch
 from hybrid_pd.engine.logprobs import logprobs_of, score_prompt
 from hybrid_pd.engine.request import Request, Status
@@ -84,6 +85,8 @@ class Engine:
         self.config = config
         param = next(model.parameters())
         self.device = param.device
+        if self.device.type == "cpu" and getattr(model, "uses_cpu_kernels", False):
+            cpu_kernels.library()  # built (or refused, logged) now, not at the first prompt
         self.kv_config, max_len = plan_kv_cache(model, hf_config, config)
         self.max_model_len = max_len
         num_blocks = num_blocks_for_memory(self.kv_config, config.kv_memory_bytes)

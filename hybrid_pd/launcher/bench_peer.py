@@ -269,6 +269,7 @@ def bench_engine_peer(
     `cpus` with our model. `confine_peer` starts every vLLM process on `cpus` alone."""
     import torch
 
+    from hybrid_pd.engine import cpu_kernels
     from hybrid_pd.engine.threads import flush_denormals
     from hybrid_pd.engine.tiny import resolve_model
 
@@ -340,6 +341,8 @@ def bench_engine_peer(
         },
         "reps": reps,
         "held_state_rows_bytes": ours.held_rows_used,
+        # our C kernels (on, or off and why): Qwen3.5's prompt delta rule runs in one
+        "cpu_kernels": cpu_kernels.status(),
         "timing": (
             "prefill: batch submitted to every request's first token; decode: from then to "
             "the last request's end; decode tokens/s counts the tokens after the first"

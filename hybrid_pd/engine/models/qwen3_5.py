@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_pd.engine import cpu_kernels
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import (
     GatedMLP,
@@ -340,11 +341,17 @@ class GatedDeltaNet(nn.Module):
     def _delta(self, mixed, g, beta, state):
         n = mixed.shape[0]
         q, k, v = torch.split(mixed.float(), [self.key_dim, self.key_dim, self.value_dim], -1)
-        rep = self.v_heads // self.k_heads
-        q = _l2norm(q.view(n, self.k_heads, self.dk)).repeat_interleave(rep, dim=1)
-        k = _l2norm(k.view(n, self.k_heads, self.dk)).repeat_interleave(rep, dim=1)
-        q = q * self.dk**-0.5
+        q = _l2norm(q.view(n, self.k_heads, self.dk)) * self.dk**-0.5
+        k = _l2norm(k.view(n, self.k_heads, self.dk))
         v = v.view(n, self.v_heads, self.dv)
+        if n > 1:  # the C kernel updates a state of its own (`state` may be the pool's)
+            own = state.clone(memory_format=torch.contiguous_format)
+            o = cpu_kernels.gdn_recurrent(q, k, v, g, beta, own)
+            if o is not None:
+                return o, own
+        rep = self.v_heads // self.k_heads
+        q = q.repeat_interleave(rep, dim=1)
+        k = k.repeat_interleave(rep, dim=1)
         if n == 1:
             o, state = delta_rule_step(q[0], k[0], v[0], g[0], beta[0], state)
             return o[None], state
@@ -479,6 +486,8 @@ class Qwen3_5ForCausalLM(nn.Module):
     the MoE variant (``num_experts`` in the config) of ``Qwen3_5Moe*``."""
 
     family = QWEN3_5
+    #: a prompt's delta rule runs in C on the CPU (engine/cpu_kernels.py)
+    uses_cpu_kernels = True
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()

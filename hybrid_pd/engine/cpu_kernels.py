@@ -1,0 +1,212 @@
+"""C kernels for the CPU path, built at first use and called through ctypes.
+
+Some recurrences run in PyTorch only as many small operations: the gated delta rule of a
+prompt (Qwen3.5 / Qwen3-Next) costs about 3x in its chunked PyTorch form what one pass over
+each head's state per token costs in C, where the state stays in the cache. Those kernels
+live in `csrc/cpu_kernels.c`, plain C11 without PyTorch headers. The first engine process
+that needs them compiles the file (`$CC` or `cc`, `-O3 -march=native`, well under a second)
+into a cache folder (`HYBRID_PD_KERNEL_CACHE`, default `~/.cache/hybrid-pd/kernels`), named
+by a digest of the source, the flags, the compiler and the CPU, so a changed file or
+another machine builds its own. Processes that start together may both build: each writes
+a file of its own and renames it into place.
+
+Every kernel has a pure-PyTorch counterpart, which stays the reference (the tests compare
+the two) and the path everywhere else: tensors not on the CPU, a machine without a C
+compiler (one warning, then PyTorch), or `HYBRID_PD_CPU_KERNELS=0`. Both workers of a P/D
+pair must take the same path for P/D output to equal a single engine's: they do when they
+run the same build on the same kind of machine, as the layout fingerprint already demands.
+
+The kernels run on the calling thread, so they inherit its subnormal flush mode (see
+`threads.py`); a call split over heads runs on threads that set the same mode first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
+#: Below this many state elements times tokens a call is not split over threads.
+_SPLIT_MIN_WORK = 1 << 20
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why_not = ""
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("HYBRID_PD_CPU_KERNELS", "1").strip().lower() not in ("0", "off", "no")
+
+
+def _cpu_identity() -> str:
+    """The CPU model and feature flags (what -march=native compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def _cache_dir() -> Path:
+    given = os.environ.get("HYBRID_PD_KERNEL_CACHE")
+    return Path(given) if given else Path.home() / ".cache" / "hybrid-pd" / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _build() -> Path:
+    """The shared library for this source, CPU and compiler, built if not cached."""
+    cc = _compiler()
+    if cc is None:
+        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    key = hashlib.sha256(
+        b"\0".join(
+            s.encode()
+            for s in (SOURCE.read_text(), " ".join(FLAGS), version.stdout, _cpu_identity())
+        )
+    ).hexdigest()[:24]
+    folder = _cache_dir()
+    target = folder / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise OSError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i, p, long_ = ctypes.c_int, ctypes.c_void_p, ctypes.c_long
+    lib.gdn_recurrent.argtypes = [i] * 7 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, p]
+    lib.gdn_recurrent.restype = i
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (disabled, or the build failed: logged once)."""
+    global _lib, _tried, _why_not
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        if not enabled_by_env():
+            _why_not = "HYBRID_PD_CPU_KERNELS=0"
+        else:
+            try:
+                path = _build()
+                lib = ctypes.CDLL(str(path))
+                _declare(lib)
+                _lib = lib
+                logger.info("CPU kernels: %s", path)
+            except (OSError, subprocess.SubprocessError) as e:
+                _why_not = str(e)
+                logger.warning("CPU kernels unavailable, using the PyTorch path: %s", e)
+        _tried = True
+    return _lib
+
+
+def status() -> str:
+    """`on`, or `off (why)`, for logs and stats; builds the kernels if not tried yet."""
+    return "on" if library() is not None else f"off ({_why_not})"
+
+
+def _flushing_thread() -> None:
+    torch.set_flush_denormal(True)
+
+
+def _threads_pool(n: int) -> ThreadPoolExecutor:
+    """A pool of n - 1 helper threads (the caller is the n-th), flushing subnormals."""
+    global _pool, _pool_size
+    with _lock:
+        if _pool is None or _pool_size != n:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(n - 1, "cpu-kernel", initializer=_flushing_thread)
+            _pool_size = n
+        return _pool
+
+
+def _f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def gdn_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor | None:
+    """The gated delta rule over n tokens of one sequence, in C; None where the kernel does
+    not apply (then use the PyTorch path). q/k [n, Hk, dk] (normalised and scaled), v
+    [n, Hv, dv], g/beta [n, Hv], all float32 on the CPU, any strides (g and beta the same).
+    `state` [Hv, dk, dv] float32, contiguous, is updated in place. Returns o [n, Hv, dv].
+    The same sums as `delta_rule_step` token after token (fused multiply-adds aside)."""
+    if not all(_f32(t) for t in (q, k, v, g, beta, state)) or not state.is_contiguous():
+        return None
+    n, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != n or g.shape != (n, hv) or beta.shape != g.shape:
+        return None
+    if beta.stride() != g.stride() or state.shape != (hv, dk, dv) or hv % hk or dv > 1024:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = q.new_empty(n, hv, dv)
+
+    def heads(h0: int, h1: int) -> int:
+        return lib.gdn_recurrent(
+            n, hk, hv, dk, dv, h0, h1,
+            q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(),
+            g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), out.data_ptr(),
+        )  # fmt: skip
+
+    threads = min(torch.get_num_threads(), hv)
+    if threads > 1 and n * dk * dv * hv >= _SPLIT_MIN_WORK:
+        bounds = [hv * i // threads for i in range(threads + 1)]
+        pool = _threads_pool(threads)
+        # ctypes lets go of the interpreter lock during a call: the heads run side by side
+        helpers = [pool.submit(heads, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+        codes = [heads(bounds[0], bounds[1])] + [f.result() for f in helpers]
+    else:
+        codes = [heads(0, hv)]
+    if any(codes):
+        raise RuntimeError(f"gdn_recurrent refused its arguments (codes {codes})")
+    return out

@@ -1,0 +1,192 @@
+"""The C kernels (hybrid_pd/engine/cpu_kernels.py) against their PyTorch counterparts, their
+build (cache, fallback without a compiler) and their use by the models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybrid_pd.engine import cpu_kernels
+from hybrid_pd.engine.models.qwen3_5 import _l2norm, delta_rule_chunked, delta_rule_step
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_kernels_build_here():
+    # .ci/run's machine has a C compiler: the fast path must be the one the tests exercise
+    assert cpu_kernels.library() is not None, cpu_kernels.status()
+    assert cpu_kernels.status() == "on"
+
+
+def _gdn_inputs(n, hk, hv, dk, dv, channel_major, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = 2 * hk * dk + hv * dv
+    if channel_major:  # as a prompt's q, k and v leave the convolution
+        mixed = torch.randn(width, n, generator=gen).t()
+    else:
+        mixed = torch.randn(n, width, generator=gen)
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], -1)
+    q = _l2norm(q.reshape(n, hk, dk) if not channel_major else q.view(n, hk, dk)) * dk**-0.5
+    k = _l2norm(k.view(n, hk, dk))
+    v = v.view(n, hv, dv)
+    # decays from strong (exp(-6)) to none, so subnormal-prone products appear too
+    g = -torch.rand(n, hv, generator=gen) * 6
+    beta = torch.rand(n, hv, generator=gen)
+    state = torch.randn(hv, dk, dv, generator=gen) * 0.5
+    return q, k, v, g, beta, state
+
+
+def _token_by_token(q, k, v, g, beta, state):
+    rep = v.shape[1] // q.shape[1]
+    qq, kk = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
+    outs = []
+    for t in range(q.shape[0]):
+        o, state = delta_rule_step(qq[t], kk[t], v[t], g[t], beta[t], state)
+        outs.append(o)
+    return torch.stack(outs), state
+
+
+@pytest.mark.parametrize(
+    ("n", "hk", "hv", "dk", "dv", "channel_major"),
+    [
+        (256, 4, 8, 64, 64, True),  # the specialised head size, layout of a prompt
+        (37, 2, 4, 128, 128, False),  # the other specialised size
+        (50, 2, 6, 16, 24, True),  # any other size: the general loop
+        (2, 1, 1, 8, 8, False),
+    ],
+)
+def test_gdn_recurrent_equals_the_token_by_token_rule(n, hk, hv, dk, dv, channel_major):
+    q, k, v, g, beta, state = _gdn_inputs(n, hk, hv, dk, dv, channel_major)
+    want_o, want_state = _token_by_token(q, k, v, g, beta, state.clone())
+    own = state.clone()
+    o = cpu_kernels.gdn_recurrent(q, k, v, g, beta, own)
+    assert o is not None
+    assert o.shape == (n, hv, dv)
+    scale = want_o.abs().max().item()
+    assert (o - want_o).abs().max().item() <= 1e-5 * max(1.0, scale)
+    assert (own - want_state).abs().max().item() <= 1e-5 * max(1.0, want_state.abs().max().item())
+    # and within float rounding of the chunked PyTorch form the model used before
+    rep = hv // hk
+    chunk_o, _ = delta_rule_chunked(
+        q.repeat_interleave(rep, 1).transpose(0, 1),
+        k.repeat_interleave(rep, 1).transpose(0, 1),
+        v.transpose(0, 1),
+        g.t(),
+        beta.t(),
+        state.clone(),
+    )
+    assert (o - chunk_o.transpose(0, 1)).abs().max().item() <= 1e-4 * max(1.0, scale)
+
+
+def test_gdn_recurrent_split_over_threads_is_bit_for_bit():
+    q, k, v, g, beta, state = _gdn_inputs(256, 4, 8, 64, 64, True, seed=3)
+    one = state.clone()
+    o1 = cpu_kernels.gdn_recurrent(q, k, v, g, beta, one)
+    torch.set_num_threads(2)
+    try:
+        two = state.clone()
+        o2 = cpu_kernels.gdn_recurrent(q, k, v, g, beta, two)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(o1, o2)
+    assert torch.equal(one, two)
+
+
+def test_gdn_recurrent_declines_what_it_does_not_take():
+    q, k, v, g, beta, state = _gdn_inputs(8, 2, 4, 16, 16, False)
+    assert cpu_kernels.gdn_recurrent(q.double(), k, v, g, beta, state) is None
+    assert cpu_kernels.gdn_recurrent(q, k, v, g, beta, state.transpose(1, 2)) is None
+    assert cpu_kernels.gdn_recurrent(q, k, v, g, beta, state[:3]) is None
+    assert cpu_kernels.gdn_recurrent(q, k, v, g[:, :3], beta[:, :3], state) is None
+
+
+def _probe(env: dict, code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+_STATUS = "from hybrid_pd.engine import cpu_kernels; print(cpu_kernels.status())"
+
+
+def test_a_machine_without_a_compiler_takes_the_pytorch_path(tmp_path):
+    out = _probe(
+        {"HYBRID_PD_KERNEL_CACHE": str(tmp_path), "CC": "no-such-compiler", "PATH": "/nonexistent"},
+        _STATUS,
+    )
+    assert out.startswith("off (no C compiler"), out
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_switch_turns_the_kernels_off(tmp_path):
+    out = _probe({"HYBRID_PD_KERNEL_CACHE": str(tmp_path), "HYBRID_PD_CPU_KERNELS": "0"}, _STATUS)
+    assert out == "off (HYBRID_PD_CPU_KERNELS=0)"
+
+
+def test_a_build_is_cached_and_reused(tmp_path):
+    env = {"HYBRID_PD_KERNEL_CACHE": str(tmp_path)}
+    code = "from hybrid_pd.engine import cpu_kernels; print(cpu_kernels._build())"
+    first = _probe(env, code)
+    built = list(tmp_path.iterdir())
+    assert [p.name for p in built] == [os.path.basename(first)]
+    mtime = built[0].stat().st_mtime_ns
+    assert _probe(env, code) == first
+    assert built[0].stat().st_mtime_ns == mtime  # not rebuilt
+
+
+def test_qwen3_5_prefill_runs_the_kernel_and_matches_the_pytorch_path(monkeypatch):
+    from hybrid_pd.engine.models.qwen3_5 import GatedDeltaNet
+
+    cfg = dict(
+        hidden_size=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(cfg, "layers.0.linear_attn")
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    n = 70
+    x = torch.randn(n, cfg["hidden_size"])
+    conv_dim = layer.conv_dim
+    qkv, _, b, a = layer._project(x)
+    mixed, _ = layer._conv(qkv, torch.zeros(conv_dim, layer.kernel - 1))
+    beta = b.sigmoid().float()
+    g = -layer.A_log.float().exp() * torch.nn.functional.softplus(a.float() + layer.dt_bias)
+    state = torch.randn(4, 64, 64) * 0.1
+    before = state.clone()
+    calls = []
+    real = cpu_kernels.gdn_recurrent
+
+    def counting(*args):
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    with torch.no_grad():
+        monkeypatch.setattr(cpu_kernels, "gdn_recurrent", counting)
+        o_kernel, s_kernel = layer._delta(mixed, g, beta, state)
+        monkeypatch.setattr(cpu_kernels, "gdn_recurrent", lambda *args: None)
+        o_torch, s_torch = layer._delta(mixed, g, beta, state)
+    assert calls == [True]
+    assert not torch.equal(o_kernel, o_torch)  # two different computations ...
+    assert torch.allclose(o_kernel, o_torch, atol=1e-5, rtol=1e-4)  # ... of the same values
+    assert torch.allclose(s_kernel, s_torch, atol=1e-5, rtol=1e-4)
+    assert torch.equal(state, before)  # the pool's state is not written in place
