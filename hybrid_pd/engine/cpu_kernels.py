@@ -114,6 +114,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     i, p, long_ = ctypes.c_int, ctypes.c_void_p, ctypes.c_long
     lib.gdn_recurrent.argtypes = [i] * 7 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, p]
     lib.gdn_recurrent.restype = i
+    lib.ssd_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 2 + [p, long_, long_, p, p, p]
+    lib.ssd_step.argtypes += [long_, long_, p]
+    lib.ssd_step.restype = i
 
 
 def library() -> ctypes.CDLL | None:
@@ -210,3 +213,42 @@ def gdn_recurrent(
     if any(codes):
         raise RuntimeError(f"gdn_recurrent refused its arguments (codes {codes})")
     return out
+
+
+def ssd_step(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a_coef: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor | None:
+    """One decode step of Mamba2's SSD for S sequences, in C, one pass over each state; None
+    where the kernel does not apply. x [S, H, P], dt [S, H], a_coef [H], b/c [S, G, N] (the
+    same strides; head h reads group h // (H / G)), state [S, H, P, N] with its last dim
+    contiguous (rows gathered from the pool may be strided), all float32 on the CPU.
+    `state` is updated in place. Returns y [S, H, P] (no D term): `_ssd_step`'s values, the
+    sum over N in another order."""
+    if not all(_f32(t) for t in (x, dt, a_coef, b, c, state)):
+        return None
+    seqs, heads, hd = x.shape
+    groups, ns = b.shape[1], b.shape[2]
+    if state.shape != (seqs, heads, hd, ns) or dt.shape != (seqs, heads) or heads % groups:
+        return None
+    if c.shape != b.shape or c.stride() != b.stride() or a_coef.shape != (heads,):
+        return None
+    if state.stride(-1) != 1 or b.stride(-1) != 1 or not a_coef.is_contiguous():
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    y = x.new_empty(seqs, heads, hd)
+    code = lib.ssd_step(
+        seqs, heads, hd, ns, groups,
+        state.data_ptr(), *state.stride()[:3], x.data_ptr(), *x.stride(),
+        dt.data_ptr(), *dt.stride(), a_coef.data_ptr(), b.data_ptr(), c.data_ptr(),
+        *b.stride()[:2], y.data_ptr(),
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"ssd_step refused its arguments (code {code})")
+    return y

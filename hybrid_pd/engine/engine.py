@@ -85,7 +85,8 @@ class Engine:
         self.config = config
         param = next(model.parameters())
         self.device = param.device
-        if self.device.type == "cpu" and getattr(model, "uses_cpu_kernels", False):
+        kernels = any(getattr(m, "uses_cpu_kernels", False) for m in model.modules())
+        if self.device.type == "cpu" and kernels:
             cpu_kernels.library()  # built (or refused, logged) now, not at the first prompt
         self.kv_config, max_len = plan_kv_cache(model, hf_config, config)
         self.max_model_len = max_len

@@ -96,6 +96,15 @@ def test_gdn_recurrent_split_over_threads_is_bit_for_bit():
     assert torch.equal(one, two)
 
 
+def test_ssd_step_declines_what_it_does_not_take():
+    x, dt, a = torch.randn(2, 4, 8), torch.rand(2, 4), -torch.rand(4)
+    b, c, state = torch.randn(2, 1, 16), torch.randn(2, 1, 16), torch.randn(2, 4, 8, 16)
+    assert cpu_kernels.ssd_step(x, dt, a, b, c, state.double()) is None
+    assert cpu_kernels.ssd_step(x, dt, a, b, c, state.transpose(-1, -2)) is None
+    assert cpu_kernels.ssd_step(x, dt, a, b, c[:, :, :8], state) is None
+    assert cpu_kernels.ssd_step(x, dt, a[:3], b, c, state) is None
+
+
 def test_gdn_recurrent_declines_what_it_does_not_take():
     q, k, v, g, beta, state = _gdn_inputs(8, 2, 4, 16, 16, False)
     assert cpu_kernels.gdn_recurrent(q.double(), k, v, g, beta, state) is None
@@ -190,3 +199,36 @@ def test_qwen3_5_prefill_runs_the_kernel_and_matches_the_pytorch_path(monkeypatc
     assert torch.allclose(o_kernel, o_torch, atol=1e-5, rtol=1e-4)  # ... of the same values
     assert torch.allclose(s_kernel, s_torch, atol=1e-5, rtol=1e-4)
     assert torch.equal(state, before)  # the pool's state is not written in place
+
+
+@pytest.mark.parametrize(
+    ("seqs", "heads", "hd", "ns", "groups"),
+    [
+        (32, 16, 64, 64, 1),  # Granite-4.0-H-like, a batch-32 decode step
+        (3, 8, 16, 128, 2),  # two groups, the other specialised state size
+        (5, 6, 8, 24, 3),  # a state size that leaves a remainder after the vector lanes
+        (1, 2, 4, 8, 1),
+    ],
+)
+def test_ssd_step_equals_the_pytorch_step(seqs, heads, hd, ns, groups):
+    from hybrid_pd.engine.models.mamba2 import _ssd_step
+
+    gen = torch.Generator().manual_seed(seqs)
+    width = heads * hd + 2 * groups * ns
+    xbc = torch.randn(seqs, width + 5, generator=gen)[:, 5:]  # rows of a wider tensor
+    x = xbc[:, : heads * hd].view(seqs, heads, hd)
+    b = xbc[:, heads * hd : heads * hd + groups * ns].view(seqs, groups, ns)
+    c = xbc[:, heads * hd + groups * ns :].view(seqs, groups, ns)
+    dt = torch.rand(seqs, heads, generator=gen) * 0.5
+    a_coef = -torch.rand(heads, generator=gen) * 4
+    # states as gathered rows of a pool: each row strided past the next
+    pool = torch.randn(seqs, 2, heads, hd, ns, generator=gen)
+    state = pool[:, 1]
+    untouched = pool[:, 0].clone()
+    assert seqs == 1 or not state.is_contiguous()
+    want_y, want_state = _ssd_step(x, dt, a_coef, b, c, state.clone(), in_place=True)
+    y = cpu_kernels.ssd_step(x, dt, a_coef, b, c, state)
+    assert y is not None
+    assert (y - want_y).abs().max().item() <= 1e-5 * max(1.0, want_y.abs().max().item())
+    assert (state - want_state).abs().max().item() <= 1e-6 * max(1.0, state.abs().max().item())
+    assert torch.equal(pool[:, 0], untouched)  # the rows between are not written

@@ -111,3 +111,74 @@ int gdn_recurrent(int n, int hk, int hv, int dk, int dv, int h0, int h1,
 #undef GDN_CALL
     return 0;
 }
+
+/* One decode step of Mamba2's state space (SSD) for S sequences of H heads, one pass over
+ * each state:
+ *
+ *   S <- exp(dt a) S + (dt x) B^T;  y = S C
+ *
+ * state: [S, H, P, N] float32, strides ss, sh, sp (N contiguous), updated in place; x:
+ * [S, H, P], strides xs, xh, xp; dt: [S, H], strides ds, dh; a: [H]; b, c: [S, G, N], strides
+ * bs, bg (N contiguous; head h reads group h / (H / G)); y: [S, H, P] contiguous. The sum
+ * over N runs in LANES partial sums (vector lanes) added in a fixed order at the end.
+ */
+#define LANES 16
+
+static inline __attribute__((always_inline)) void
+ssd_rows(int seqs, int heads, int hd, const int ns, int groups,
+         float *state, long ss, long sh, long sp,
+         const float *x, long xs, long xh, long xp, const float *dt, long ds, long dh,
+         const float *a, const float *b, const float *c, long bs, long bg, float *y)
+{
+    const int per = heads / groups;
+    for (int s = 0; s < seqs; s++) {
+        for (int h = 0; h < heads; h++) {
+            const float d = dt[s * ds + h * dh];
+            const float decay = expf(d * a[h]);
+            const float *bn = b + s * bs + (h / per) * bg;
+            const float *cn = c + s * bs + (h / per) * bg;
+            float *yo = y + ((size_t)s * heads + h) * hd;
+            for (int p = 0; p < hd; p++) {
+                float *restrict row = state + s * ss + h * sh + p * sp;
+                const float u = x[s * xs + h * xh + p * xp] * d;
+                float acc[LANES] = {0};
+                int n = 0;
+                for (; n + LANES <= ns; n += LANES)
+                    for (int l = 0; l < LANES; l++) {
+                        const float v = row[n + l] * decay + u * bn[n + l];
+                        row[n + l] = v;
+                        acc[l] += v * cn[n + l];
+                    }
+                for (; n < ns; n++) {
+                    const float v = row[n] * decay + u * bn[n];
+                    row[n] = v;
+                    acc[0] += v * cn[n];
+                }
+                float sum = 0.f;
+                for (int l = 0; l < LANES; l++)
+                    sum += acc[l];
+                yo[p] = sum;
+            }
+        }
+    }
+}
+
+int ssd_step(int seqs, int heads, int hd, int ns, int groups,
+             float *state, long ss, long sh, long sp,
+             const float *x, long xs, long xh, long xp, const float *dt, long ds, long dh,
+             const float *a, const float *b, const float *c, long bs, long bg, float *y)
+{
+    if (seqs < 0 || groups < 1 || heads % groups)
+        return -1;
+#define SSD_CALL(NS)                                                                      \
+    ssd_rows(seqs, heads, hd, NS, groups, state, ss, sh, sp, x, xs, xh, xp, dt, ds, dh, a, \
+             b, c, bs, bg, y)
+    if (ns == 64)
+        SSD_CALL(64);
+    else if (ns == 128)
+        SSD_CALL(128);
+    else
+        SSD_CALL(ns);
+#undef SSD_CALL
+    return 0;
+}

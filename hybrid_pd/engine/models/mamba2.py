@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_pd.engine import cpu_kernels
 from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
 from hybrid_pd.engine.models.common import activation, causal_exp_floor, exp_or_zero
 from hybrid_pd.engine.paged import (
@@ -247,6 +248,9 @@ class GatedRMSNorm(nn.Module):
 class Mamba2Mixer(nn.Module):
     """Checkpoint names: in_proj, conv1d, dt_bias, A_log, D, norm.weight, out_proj."""
 
+    #: a decode step's state update runs in C on the CPU (engine/cpu_kernels.py)
+    uses_cpu_kernels = True
+
     def __init__(self, d: Mamba2Dims, name: str) -> None:
         super().__init__()
         self.name = name
@@ -311,8 +315,11 @@ class Mamba2Mixer(nn.Module):
         x, b, c = self._split_heads(self.act(conv))
         # the gathered states are copies: update them where they are, and hand them back
         # (a pool whose states span several blocks then writes their buffer back as is)
-        in_place = ssm_state.dtype is torch.float32
-        y, h1 = _ssd_step(x, dt, a_coef, b, c, ssm_state.float(), in_place=in_place)
+        # (not float32: float() converts them into a new tensor, also updated in place)
+        h1 = ssm_state.float()
+        y = cpu_kernels.ssd_step(x, dt, a_coef, b, c, h1)  # one pass over the states
+        if y is None:
+            y, h1 = _ssd_step(x, dt, a_coef, b, c, h1, in_place=True)
         y = y + x * self.D.float()[:, None]
         # converted whole, then sliced: a converting copy from the strided slice is 4x slower
         conv_state.copy_(window.to(conv_state.dtype)[:, :, 1:])

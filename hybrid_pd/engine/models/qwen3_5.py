@@ -225,6 +225,9 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    #: a prompt's delta rule runs in C on the CPU (engine/cpu_kernels.py)
+    uses_cpu_kernels = True
+
     def __init__(self, cfg: Mapping[str, Any], layer_name: str, fused: bool = False) -> None:
         super().__init__()
         hidden = int(cfg["hidden_size"])
@@ -486,8 +489,6 @@ class Qwen3_5ForCausalLM(nn.Module):
     the MoE variant (``num_experts`` in the config) of ``Qwen3_5Moe*``."""
 
     family = QWEN3_5
-    #: a prompt's delta rule runs in C on the CPU (engine/cpu_kernels.py)
-    uses_cpu_kernels = True
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         super().__init__()
