@@ -117,6 +117,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ssd_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 2 + [p, long_, long_, p, p, p]
     lib.ssd_step.argtypes += [long_, long_, p]
     lib.ssd_step.restype = i
+    lib.ssd_scan.argtypes = [i, p, *[i] * 6, p, p, *[long_] * 3, p, long_, long_, p, p, p]
+    lib.ssd_scan.argtypes += [long_, long_, p]
+    lib.ssd_scan.restype = i
 
 
 def library() -> ctypes.CDLL | None:
@@ -164,6 +167,19 @@ def _threads_pool(n: int) -> ThreadPoolExecutor:
         return _pool
 
 
+def _over_heads(call, heads: int, work: int) -> list[int]:
+    """`call(h0, h1)` for all heads: on this thread alone, or split over torch's thread
+    count when the work (state elements times tokens) pays for it. Returns the codes."""
+    threads = min(torch.get_num_threads(), heads)
+    if threads < 2 or work < _SPLIT_MIN_WORK:
+        return [call(0, heads)]
+    bounds = [heads * i // threads for i in range(threads + 1)]
+    pool = _threads_pool(threads)
+    # ctypes lets go of the interpreter lock during a call: the heads run side by side
+    helpers = [pool.submit(call, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+    return [call(bounds[0], bounds[1])] + [f.result() for f in helpers]
+
+
 def _f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu"
 
@@ -194,22 +210,14 @@ def gdn_recurrent(
         return None
     out = q.new_empty(n, hv, dv)
 
-    def heads(h0: int, h1: int) -> int:
+    def run(h0: int, h1: int) -> int:
         return lib.gdn_recurrent(
             n, hk, hv, dk, dv, h0, h1,
             q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(),
             g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), out.data_ptr(),
         )  # fmt: skip
 
-    threads = min(torch.get_num_threads(), hv)
-    if threads > 1 and n * dk * dv * hv >= _SPLIT_MIN_WORK:
-        bounds = [hv * i // threads for i in range(threads + 1)]
-        pool = _threads_pool(threads)
-        # ctypes lets go of the interpreter lock during a call: the heads run side by side
-        helpers = [pool.submit(heads, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-        codes = [heads(bounds[0], bounds[1])] + [f.result() for f in helpers]
-    else:
-        codes = [heads(0, hv)]
+    codes = _over_heads(run, hv, n * dk * dv * hv)
     if any(codes):
         raise RuntimeError(f"gdn_recurrent refused its arguments (codes {codes})")
     return out
@@ -251,4 +259,49 @@ def ssd_step(
     )  # fmt: skip
     if code:
         raise RuntimeError(f"ssd_step refused its arguments (code {code})")
+    return y
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    a_coef: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    state: torch.Tensor,
+    lengths: list[int],
+) -> torch.Tensor | None:
+    """Mamba2's SSD over the prompts of S sequences packed one after another (sequence i has
+    lengths[i] tokens), in C, token by token; None where the kernel does not apply. x
+    [T, H, P], dt [T, H], a_coef [H], b/c [T, G, N] (the same strides), all float32 on the
+    CPU. `state` [S, H, P, N], contiguous: each sequence's state at its start, updated in
+    place to its state at the end. Returns y [T, H, P] (no D term): the values of the
+    chunked scan (`mamba2._ssd_packed`), summed as the recurrence does."""
+    if not all(_f32(t) for t in (x, dt, a_coef, b, c, state)) or not state.is_contiguous():
+        return None
+    total, heads, hd = x.shape
+    groups, ns = b.shape[1], b.shape[2]
+    seqs = len(lengths)
+    if state.shape != (seqs, heads, hd, ns) or sum(lengths) != total or heads % groups:
+        return None
+    if dt.shape != (total, heads) or c.shape != b.shape or c.stride() != b.stride():
+        return None
+    if b.stride(-1) != 1 or a_coef.shape != (heads,) or not a_coef.is_contiguous():
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    y = x.new_empty(total, heads, hd)
+    lens = (ctypes.c_int * seqs)(*lengths)
+
+    def run(h0: int, h1: int) -> int:
+        return lib.ssd_scan(
+            seqs, lens, heads, hd, ns, groups, h0, h1,
+            state.data_ptr(), x.data_ptr(), *x.stride(), dt.data_ptr(), *dt.stride(),
+            a_coef.data_ptr(), b.data_ptr(), c.data_ptr(), *b.stride()[:2], y.data_ptr(),
+        )  # fmt: skip
+
+    codes = _over_heads(run, heads, total * heads * hd * ns)
+    if any(codes):
+        raise RuntimeError(f"ssd_scan refused its arguments (codes {codes})")
     return y

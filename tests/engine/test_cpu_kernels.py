@@ -232,3 +232,40 @@ def test_ssd_step_equals_the_pytorch_step(seqs, heads, hd, ns, groups):
     assert (y - want_y).abs().max().item() <= 1e-5 * max(1.0, want_y.abs().max().item())
     assert (state - want_state).abs().max().item() <= 1e-6 * max(1.0, state.abs().max().item())
     assert torch.equal(pool[:, 0], untouched)  # the rows between are not written
+
+
+@pytest.mark.parametrize(
+    ("lengths", "heads", "hd", "ns", "groups"),
+    [
+        ([256, 256], 16, 64, 64, 1),  # Granite-4.0-H-like prompts
+        ([5, 70, 1, 33], 8, 16, 128, 2),  # uneven prompts, two groups
+        ([40], 6, 8, 24, 3),  # a state size that leaves a remainder after the vector lanes
+    ],
+)
+def test_ssd_scan_equals_the_chunked_scan(lengths, heads, hd, ns, groups):
+    from hybrid_pd.engine.models.mamba2 import _ssd_packed
+
+    gen = torch.Generator().manual_seed(len(lengths))
+    total, seqs = sum(lengths), len(lengths)
+    act = torch.randn(total, heads * hd + 2 * groups * ns, generator=gen)
+    x = act[:, : heads * hd].view(total, heads, hd)
+    b = act[:, heads * hd : heads * hd + groups * ns].view(total, groups, ns)
+    c = act[:, heads * hd + groups * ns :].view(total, groups, ns)
+    dt = torch.rand(total, heads, generator=gen) * 0.5
+    a_coef = -torch.rand(heads, generator=gen) * 4
+    h0 = torch.randn(seqs, heads, hd, ns, generator=gen) * 0.5
+    want_y, want_h1 = _ssd_packed(x, dt, a_coef, b, c, 64, h0.clone(), [0] * seqs, lengths)
+    h1 = h0.clone()
+    y = cpu_kernels.ssd_scan(x, dt, a_coef, b, c, h1, lengths)
+    assert y is not None
+    assert (y - want_y).abs().max().item() <= 2e-5 * max(1.0, want_y.abs().max().item())
+    assert (h1 - want_h1).abs().max().item() <= 2e-5 * max(1.0, want_h1.abs().max().item())
+    # split over two threads (by heads): the same sums, bit for bit
+    torch.set_num_threads(2)
+    try:
+        h2 = h0.clone()
+        y2 = cpu_kernels.ssd_scan(x, dt, a_coef, b, c, h2, lengths)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(y, y2)
+    assert torch.equal(h1, h2)

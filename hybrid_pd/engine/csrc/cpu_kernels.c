@@ -112,18 +112,49 @@ int gdn_recurrent(int n, int hk, int hv, int dk, int dv, int h0, int h1,
     return 0;
 }
 
-/* One decode step of Mamba2's state space (SSD) for S sequences of H heads, one pass over
- * each state:
+/* Mamba2's state space (SSD) recurrence for one token of one head:
  *
  *   S <- exp(dt a) S + (dt x) B^T;  y = S C
  *
- * state: [S, H, P, N] float32, strides ss, sh, sp (N contiguous), updated in place; x:
- * [S, H, P], strides xs, xh, xp; dt: [S, H], strides ds, dh; a: [H]; b, c: [S, G, N], strides
- * bs, bg (N contiguous; head h reads group h / (H / G)); y: [S, H, P] contiguous. The sum
- * over N runs in LANES partial sums (vector lanes) added in a fixed order at the end.
+ * S: [P, N], row stride sp (N contiguous), updated in place; x: [P], stride xp; b, c: [N];
+ * y: [P]. One pass over S. The sum over N runs in LANES partial sums (vector lanes), added in
+ * a fixed order at the end.
  */
 #define LANES 16
 
+static inline __attribute__((always_inline)) void
+ssd_token(float *S, long sp, int hd, const int ns, const float *x, long xp, float d,
+          float decay, const float *bn, const float *cn, float *y)
+{
+    for (int p = 0; p < hd; p++) {
+        float *restrict row = S + p * sp;
+        const float u = x[p * xp] * d;
+        float acc[LANES] = {0};
+        int n = 0;
+        for (; n + LANES <= ns; n += LANES)
+            for (int l = 0; l < LANES; l++) {
+                const float v = row[n + l] * decay + u * bn[n + l];
+                row[n + l] = v;
+                acc[l] += v * cn[n + l];
+            }
+        for (; n < ns; n++) {
+            const float v = row[n] * decay + u * bn[n];
+            row[n] = v;
+            acc[0] += v * cn[n];
+        }
+        float sum = 0.f;
+        for (int l = 0; l < LANES; l++)
+            sum += acc[l];
+        y[p] = sum;
+    }
+}
+
+/* One decode step for S sequences of H heads, one token each. state: [S, H, P, N] float32,
+ * strides ss, sh, sp (N contiguous; rows gathered from the pool may be strided), updated in
+ * place; x: [S, H, P], strides xs, xh, xp; dt: [S, H], strides ds, dh; a: [H]; b, c:
+ * [S, G, N], strides bs, bg (N contiguous; head h reads group h / (H / G)); y: [S, H, P]
+ * contiguous.
+ */
 static inline __attribute__((always_inline)) void
 ssd_rows(int seqs, int heads, int hd, const int ns, int groups,
          float *state, long ss, long sh, long sp,
@@ -131,36 +162,13 @@ ssd_rows(int seqs, int heads, int hd, const int ns, int groups,
          const float *a, const float *b, const float *c, long bs, long bg, float *y)
 {
     const int per = heads / groups;
-    for (int s = 0; s < seqs; s++) {
+    for (int s = 0; s < seqs; s++)
         for (int h = 0; h < heads; h++) {
             const float d = dt[s * ds + h * dh];
-            const float decay = expf(d * a[h]);
-            const float *bn = b + s * bs + (h / per) * bg;
-            const float *cn = c + s * bs + (h / per) * bg;
-            float *yo = y + ((size_t)s * heads + h) * hd;
-            for (int p = 0; p < hd; p++) {
-                float *restrict row = state + s * ss + h * sh + p * sp;
-                const float u = x[s * xs + h * xh + p * xp] * d;
-                float acc[LANES] = {0};
-                int n = 0;
-                for (; n + LANES <= ns; n += LANES)
-                    for (int l = 0; l < LANES; l++) {
-                        const float v = row[n + l] * decay + u * bn[n + l];
-                        row[n + l] = v;
-                        acc[l] += v * cn[n + l];
-                    }
-                for (; n < ns; n++) {
-                    const float v = row[n] * decay + u * bn[n];
-                    row[n] = v;
-                    acc[0] += v * cn[n];
-                }
-                float sum = 0.f;
-                for (int l = 0; l < LANES; l++)
-                    sum += acc[l];
-                yo[p] = sum;
-            }
+            const long bo = s * bs + (h / per) * bg;
+            ssd_token(state + s * ss + h * sh, sp, hd, ns, x + s * xs + h * xh, xp, d,
+                      expf(d * a[h]), b + bo, c + bo, y + ((size_t)s * heads + h) * hd);
         }
-    }
 }
 
 int ssd_step(int seqs, int heads, int hd, int ns, int groups,
@@ -180,5 +188,54 @@ int ssd_step(int seqs, int heads, int hd, int ns, int groups,
     else
         SSD_CALL(ns);
 #undef SSD_CALL
+    return 0;
+}
+
+/* A prompt's scan: S sequences packed one after another (sequence i has lengths[i] tokens),
+ * token by token, heads [h0, h1) only. state: [S, H, P, N] contiguous, each sequence's state
+ * at its start, updated in place to the state at its end; x: [T, H, P], strides xt, xh, xp;
+ * dt: [T, H], strides dtt, dth; a: [H]; b, c: [T, G, N], strides bt, bg (N contiguous); y:
+ * [T, H, P] contiguous. A head's state (P x N floats) stays in cache for all of a
+ * sequence's tokens.
+ */
+static inline __attribute__((always_inline)) void
+ssd_heads(int seqs, const int *lengths, int heads, int hd, const int ns, int groups, int h0,
+          int h1, float *state, const float *x, long xt, long xh, long xp, const float *dt,
+          long dtt, long dth, const float *a, const float *b, const float *c, long bt, long bg,
+          float *y)
+{
+    const int per = heads / groups;
+    long first = 0;
+    for (int s = 0; s < seqs; s++) {
+        for (int h = h0; h < h1; h++) {
+            float *S = state + (((size_t)s * heads + h) * hd) * ns;
+            for (long t = first; t < first + lengths[s]; t++) {
+                const float d = dt[t * dtt + h * dth];
+                const long bo = t * bt + (h / per) * bg;
+                ssd_token(S, ns, hd, ns, x + t * xt + h * xh, xp, d, expf(d * a[h]), b + bo,
+                          c + bo, y + ((size_t)t * heads + h) * hd);
+            }
+        }
+        first += lengths[s];
+    }
+}
+
+int ssd_scan(int seqs, const int *lengths, int heads, int hd, int ns, int groups, int h0,
+             int h1, float *state, const float *x, long xt, long xh, long xp, const float *dt,
+             long dtt, long dth, const float *a, const float *b, const float *c, long bt,
+             long bg, float *y)
+{
+    if (seqs < 0 || groups < 1 || heads % groups)
+        return -1;
+#define SCAN_CALL(NS)                                                                      \
+    ssd_heads(seqs, lengths, heads, hd, NS, groups, h0, h1, state, x, xt, xh, xp, dt, dtt, \
+              dth, a, b, c, bt, bg, y)
+    if (ns == 64)
+        SCAN_CALL(64);
+    else if (ns == 128)
+        SCAN_CALL(128);
+    else
+        SCAN_CALL(ns);
+#undef SCAN_CALL
     return 0;
 }

@@ -248,7 +248,8 @@ class GatedRMSNorm(nn.Module):
 class Mamba2Mixer(nn.Module):
     """Checkpoint names: in_proj, conv1d, dt_bias, A_log, D, norm.weight, out_proj."""
 
-    #: a decode step's state update runs in C on the CPU (engine/cpu_kernels.py)
+    #: the scan of a prompt and a decode step's state update run in C on the CPU
+    #: (engine/cpu_kernels.py)
     uses_cpu_kernels = True
 
     def __init__(self, d: Mamba2Dims, name: str) -> None:
@@ -395,7 +396,11 @@ class Mamba2Mixer(nn.Module):
         chunk = min(self.chunk, SCAN_CHUNK)
         offsets = [seq.num_computed % chunk for seq in seqs]
         h0 = torch.stack([ssm.float() for _, ssm in states])
-        out, h1 = _ssd_packed(x, dt[rows], a_coef, b, c, chunk, h0, offsets, lengths)
+        out = cpu_kernels.ssd_scan(x, dt[rows], a_coef, b, c, h0, lengths)  # h0 -> h1
+        if out is not None:
+            h1 = h0
+        else:
+            out, h1 = _ssd_packed(x, dt[rows], a_coef, b, c, chunk, h0, offsets, lengths)
         out.addcmul_(x, self.D.float()[:, None])
         y[rows] = out.reshape(total, self.inner)
         for i, (seq, (conv_state, ssm_state)) in enumerate(zip(seqs, states, strict=True)):
