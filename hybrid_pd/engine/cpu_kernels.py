@@ -114,6 +114,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     i, p, long_ = ctypes.c_int, ctypes.c_void_p, ctypes.c_long
     lib.gdn_recurrent.argtypes = [i] * 7 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, p]
     lib.gdn_recurrent.restype = i
+    lib.gdn_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, long_, p]
+    lib.gdn_step.restype = i
     lib.ssd_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 2 + [p, long_, long_, p, p, p]
     lib.ssd_step.argtypes += [long_, long_, p]
     lib.ssd_step.restype = i
@@ -220,6 +222,44 @@ def gdn_recurrent(
     codes = _over_heads(run, hv, n * dk * dv * hv)
     if any(codes):
         raise RuntimeError(f"gdn_recurrent refused its arguments (codes {codes})")
+    return out
+
+
+def gdn_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor | None:
+    """One decode token for each of S sequences, in C; None where the kernel does not
+    apply. q/k [S, Hk, dk] (normalised and scaled), v [S, Hv, dv], g/beta [S, Hv] (the same
+    strides), float32 on the CPU; `state` [S, Hv, dk, dv], each sequence's block contiguous
+    (sequences may lie apart, as gathered rows do), updated in place. Returns o [S, Hv, dv]:
+    `gdn_recurrent`'s arithmetic for one token, so the same bits as in a prompt."""
+    if not all(_f32(t) for t in (q, k, v, g, beta, state)):
+        return None
+    seqs, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != seqs or g.shape != (seqs, hv):
+        return None
+    if beta.shape != g.shape or beta.stride() != g.stride() or hv % hk or dv > 1024:
+        return None
+    if state.shape != (seqs, hv, dk, dv) or state.stride()[1:] != (dk * dv, dv, 1):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = q.new_empty(seqs, hv, dv)
+    code = lib.gdn_step(
+        seqs, hk, hv, dk, dv,
+        q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(),
+        g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), state.stride(0),
+        out.data_ptr(),
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"gdn_step refused its arguments (code {code})")
     return out
 
 

@@ -269,3 +269,52 @@ def test_ssd_scan_equals_the_chunked_scan(lengths, heads, hd, ns, groups):
         torch.set_num_threads(1)
     assert torch.equal(y, y2)
     assert torch.equal(h1, h2)
+
+
+def test_a_prompt_and_decode_steps_update_a_gdn_state_bit_for_bit_alike():
+    # A token's update is the same whether it comes in a prompt, in a decode step of a
+    # batch or alone: where a request's tokens fall (chunks, P/D, batches) changes no bit.
+    q, k, v, g, beta, state = _gdn_inputs(24, 2, 4, 64, 64, False, seed=5)
+    whole = state.clone()
+    o_whole = cpu_kernels.gdn_recurrent(q, k, v, g, beta, whole)
+    stepped = state.clone()[None]
+    for t in range(q.shape[0]):
+        o = cpu_kernels.gdn_step(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1],
+                                 beta[t : t + 1], stepped)  # fmt: skip
+        assert torch.equal(o[0], o_whole[t])
+    assert torch.equal(stepped[0], whole)
+    # several sequences in one step, their states apart as gathered rows lie
+    rows = torch.stack([state, state * 0.5, state * 2]).clone()
+    pool = torch.zeros(3, 2, *state.shape)
+    pool[:, 1] = rows
+    gathered = pool[:, 1]
+    n = 3
+    o = cpu_kernels.gdn_step(q[:n], k[:n], v[:n], g[:n], beta[:n], gathered)
+    for s in range(n):
+        alone = rows[s].clone()[None]
+        o_alone = cpu_kernels.gdn_step(
+            q[s : s + 1], k[s : s + 1], v[s : s + 1], g[s : s + 1], beta[s : s + 1], alone
+        )
+        assert torch.equal(o[s], o_alone[0])
+        assert torch.equal(gathered[s], alone[0])
+    assert not pool[:, 0].any()
+
+
+def test_a_prompt_and_decode_steps_update_a_mamba2_state_bit_for_bit_alike():
+    gen = torch.Generator().manual_seed(9)
+    total, heads, hd, ns, groups = 20, 4, 16, 64, 2
+    act = torch.randn(total, heads * hd + 2 * groups * ns, generator=gen)
+    x = act[:, : heads * hd].view(total, heads, hd)
+    b = act[:, heads * hd : heads * hd + groups * ns].view(total, groups, ns)
+    c = act[:, heads * hd + groups * ns :].view(total, groups, ns)
+    dt = torch.rand(total, heads, generator=gen) * 0.5
+    a_coef = -torch.rand(heads, generator=gen) * 4
+    h0 = torch.randn(1, heads, hd, ns, generator=gen)
+    whole = h0.clone()
+    y_whole = cpu_kernels.ssd_scan(x, dt, a_coef, b, c, whole, [total])
+    stepped = h0.clone()
+    for t in range(total):
+        sl = slice(t, t + 1)
+        y = cpu_kernels.ssd_step(x[sl], dt[sl], a_coef, b[sl], c[sl], stepped)
+        assert torch.equal(y[0], y_whole[t])
+    assert torch.equal(stepped, whole)

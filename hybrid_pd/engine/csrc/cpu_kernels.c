@@ -112,6 +112,30 @@ int gdn_recurrent(int n, int hk, int hv, int dk, int dv, int h0, int h1,
     return 0;
 }
 
+/* One decode step of the gated delta rule for S sequences, one token each: the arithmetic of
+ * gdn_recurrent with n = 1, so a token's update is the same bit for bit in a prompt or in a
+ * decode step. q, k: [S, hk, dk]; v: [S, hv, dv]; g, beta: [S, hv]; each with its strides;
+ * state: [S, hv, dk, dv], each sequence's [hv, dk, dv] contiguous, sequences ss floats
+ * apart (rows gathered from the pool), updated in place; out: [S, hv, dv] contiguous.
+ */
+int gdn_step(int seqs, int hk, int hv, int dk, int dv,
+             const float *q, long qss, long qsh, long qsd,
+             const float *k, long kss, long ksh, long ksd,
+             const float *v, long vss, long vsh, long vsd,
+             const float *g, const float *beta, long gss, long gsh,
+             float *state, long ss, float *out)
+{
+    for (int s = 0; s < seqs; s++) {
+        int code = gdn_recurrent(1, hk, hv, dk, dv, 0, hv, q + s * qss, 0, qsh, qsd,
+                                 k + s * kss, 0, ksh, ksd, v + s * vss, 0, vsh, vsd,
+                                 g + s * gss, beta + s * gss, 0, gsh, state + s * ss,
+                                 out + (size_t)s * hv * dv);
+        if (code)
+            return code;
+    }
+    return 0;
+}
+
 /* Mamba2's state space (SSD) recurrence for one token of one head:
  *
  *   S <- exp(dt a) S + (dt x) B^T;  y = S C

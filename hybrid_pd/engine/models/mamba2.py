@@ -344,7 +344,10 @@ class Mamba2Mixer(nn.Module):
         if self.conv1d.bias is not None:
             conv = conv + self.conv1d.bias[:, None]
         x, b, c = self._split_heads(self.act(conv.t()))
-        y, h1 = _ssd_step(x, dt, a_coef, b, c, ssm_state.float()[None])
+        h1 = ssm_state.float()[None].clone()  # `ssm_state` may be the pool's
+        y = cpu_kernels.ssd_step(x, dt, a_coef, b, c, h1)  # a rows step's arithmetic
+        if y is None:
+            y, h1 = _ssd_step(x, dt, a_coef, b, c, h1, in_place=True)
         y = y + x * self.D.float()[:, None]
         write_state(
             self.name, batch, seq, [window[:, 1:].to(conv_state.dtype), h1[0].to(ssm_state.dtype)]

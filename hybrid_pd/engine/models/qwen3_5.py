@@ -319,14 +319,17 @@ class GatedDeltaNet(nn.Module):
         mixed = self.act((window * weight).sum(-1)).float()  # [S, C]
         n = mixed.shape[0]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], -1)
-        rep = self.v_heads // self.k_heads
-        q = _l2norm(q.view(n, self.k_heads, self.dk)).repeat_interleave(rep, dim=1)
-        k = _l2norm(k.view(n, self.k_heads, self.dk)).repeat_interleave(rep, dim=1)
-        q = q * self.dk**-0.5
+        q = _l2norm(q.view(n, self.k_heads, self.dk)) * self.dk**-0.5
+        k = _l2norm(k.view(n, self.k_heads, self.dk))
         v = v.view(n, self.v_heads, self.dv)
         # the gathered states are copies (or, not in float32, converted ones): update them
         # where they are and hand them back
-        out, state = delta_rule_rows(q, k, v, g, beta, state.float())
+        state = state.float()
+        out = cpu_kernels.gdn_step(q, k, v, g, beta, state)
+        if out is None:
+            rep = self.v_heads // self.k_heads
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+            out, state = delta_rule_rows(q, k, v, g, beta, state)
         # converted whole, then sliced: a converting copy from the strided slice is 4x slower
         conv.copy_(window.to(conv.dtype)[:, :, 1:])
         write_state_rows(self.layer_name, batch, rows, [conv, state])
@@ -347,11 +350,12 @@ class GatedDeltaNet(nn.Module):
         q = _l2norm(q.view(n, self.k_heads, self.dk)) * self.dk**-0.5
         k = _l2norm(k.view(n, self.k_heads, self.dk))
         v = v.view(n, self.v_heads, self.dv)
-        if n > 1:  # the C kernel updates a state of its own (`state` may be the pool's)
-            own = state.clone(memory_format=torch.contiguous_format)
-            o = cpu_kernels.gdn_recurrent(q, k, v, g, beta, own)
-            if o is not None:
-                return o, own
+        # one token or many, the C kernel's arithmetic per token is that of a decode step
+        # (`gdn_step`); it updates a state of its own (`state` may be the pool's)
+        own = state.clone(memory_format=torch.contiguous_format)
+        o = cpu_kernels.gdn_recurrent(q, k, v, g, beta, own)
+        if o is not None:
+            return o, own
         rep = self.v_heads // self.k_heads
         q = q.repeat_interleave(rep, dim=1)
         k = k.repeat_interleave(rep, dim=1)
