@@ -122,6 +122,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ssd_scan.argtypes = [i, p, *[i] * 6, p, p, *[long_] * 3, p, long_, long_, p, p, p]
     lib.ssd_scan.argtypes += [long_, long_, p]
     lib.ssd_scan.restype = i
+    for name in ("silu_mul_f32", "silu_mul_bf16"):
+        getattr(lib, name).argtypes = [long_, long_, p, long_, p, long_, p]
+        getattr(lib, name).restype = None
 
 
 def library() -> ctypes.CDLL | None:
@@ -345,3 +348,27 @@ def ssd_scan(
     if any(codes):
         raise RuntimeError(f"ssd_scan refused its arguments (codes {codes})")
     return y
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up in one pass, in C; None where the kernel does not apply. gate and up
+    [rows, cols], float32 or bfloat16 on the CPU, rows of any stride (the halves of one
+    projection), columns contiguous. bfloat16 is computed in float32 and rounded once (PyTorch
+    rounds silu(gate) first); silu's exp within 2 ulp of float32's."""
+    if gate.dtype not in (torch.float32, torch.bfloat16) or up.dtype is not gate.dtype:
+        return None
+    if gate.device.type != "cpu" or up.device.type != "cpu" or gate.dim() != 2:
+        return None
+    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    rows, cols = gate.shape
+    out = gate.new_empty(rows, cols)
+    fn = lib.silu_mul_f32 if gate.dtype is torch.float32 else lib.silu_mul_bf16
+    fn(
+        rows, cols, gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
+        out.data_ptr(),
+    )  # fmt: skip
+    return out

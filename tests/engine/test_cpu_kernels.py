@@ -318,3 +318,54 @@ def test_a_prompt_and_decode_steps_update_a_mamba2_state_bit_for_bit_alike():
         y = cpu_kernels.ssd_step(x[sl], dt[sl], a_coef, b[sl], c[sl], stepped)
         assert torch.equal(y[0], y_whole[t])
     assert torch.equal(stepped, whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_against_float64(dtype):
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(11)
+    # the halves of one projection (rows strided), values far into both tails
+    h = (torch.randn(37, 2 * 300, generator=gen) * 8).to(dtype)
+    h[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    gate, up = h.split([300, 300], -1)
+    out = cpu_kernels.silu_mul(gate, up)
+    assert out is not None and out.dtype is dtype and out.shape == (37, 300)
+    exact = F.silu(gate.double()) * up.double()
+    rel = ((out.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max().item()
+    # float32: within a few ulp; bfloat16: one rounding (PyTorch's two roundings: up to 2^-8)
+    assert rel <= (1e-6 if dtype is torch.float32 else 2.0**-8)
+    torch_rel = ((F.silu(gate) * up).double() - exact).abs() / exact.abs().clamp_min(1e-30)
+    assert rel <= max(torch_rel.max().item(), 1e-6)
+    assert not out.isnan().any()
+
+
+def test_silu_mul_declines_what_it_does_not_take():
+    g = torch.randn(4, 8)
+    assert cpu_kernels.silu_mul(g.double(), g.double()) is None
+    assert cpu_kernels.silu_mul(g, g.bfloat16()) is None
+    assert cpu_kernels.silu_mul(g.t(), g.t()) is None  # columns not contiguous
+    assert cpu_kernels.silu_mul(g[None], g[None]) is None
+
+
+def test_gated_mlps_take_the_fused_silu(monkeypatch):
+    from hybrid_pd.engine.models.common import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 64)
+    x = torch.randn(5, 32)
+    calls = []
+    real = cpu_kernels.silu_mul
+
+    def counting(gate, up):
+        out = real(gate, up)
+        calls.append(out is not None)
+        return out
+
+    with torch.no_grad():
+        monkeypatch.setattr(cpu_kernels, "silu_mul", counting)
+        fused = mlp(x)
+        monkeypatch.setattr(cpu_kernels, "silu_mul", lambda *a: None)
+        plain = mlp(x)
+    assert calls == [True]
+    assert torch.allclose(fused, plain, atol=1e-6, rtol=1e-5)

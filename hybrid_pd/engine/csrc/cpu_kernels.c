@@ -7,6 +7,8 @@
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
 #define MAX_DIM 1024
 
@@ -262,4 +264,79 @@ int ssd_scan(int seqs, const int *lengths, int heads, int hd, int ns, int groups
         SCAN_CALL(ns);
 #undef SCAN_CALL
     return 0;
+}
+
+/* ------------------------------------------------------------------ element-wise */
+
+static inline float bits_float(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t float_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float bf16_float(uint16_t b) { return bits_float((uint32_t)b << 16); }
+
+/* Round to the nearest bfloat16, ties to even (as PyTorch converts); NaN stays NaN. */
+static inline uint16_t float_bf16(float f)
+{
+    if (f != f)
+        return 0x7fc0;
+    uint32_t u = float_bits(f);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* e^x within 2 ulp, in a form the compiler vectorises (no libm call): 2^n 2^f with n the
+ * nearest integer to x log2(e) and |f| <= 1/2, 2^f from its Taylor series to degree 7
+ * (error below 1e-8 relative). x is clamped to [-87.3, 88.7] (no overflow, no subnormals).
+ */
+static inline float exp_vec(float x)
+{
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    const float t = x * 1.44269504088896341f;
+    const float n = (t + 12582912.f) - 12582912.f; /* round to nearest (1.5 * 2^23) */
+    const float y = (t - n) * 0.693147180559945309f;
+    float p = 1.f / 5040.f;
+    p = p * y + 1.f / 720.f;
+    p = p * y + 1.f / 120.f;
+    p = p * y + 1.f / 24.f;
+    p = p * y + 1.f / 6.f;
+    p = p * y + 0.5f;
+    p = p * y + 1.f;
+    p = p * y + 1.f;
+    return p * bits_float((uint32_t)((int32_t)n + 127) << 23);
+}
+
+static inline float silu(float x) { return x / (1.f + exp_vec(-x)); }
+
+/* out = silu(gate) * up over rows x cols; gate and up rows gs and us elements apart (the
+ * halves of one projection, say); out contiguous. One pass, one rounding per output. */
+void silu_mul_f32(long rows, long cols, const float *gate, long gs, const float *up, long us,
+                  float *out)
+{
+    for (long r = 0; r < rows; r++) {
+        const float *g = gate + r * gs, *u = up + r * us;
+        float *o = out + r * cols;
+        for (long j = 0; j < cols; j++)
+            o[j] = silu(g[j]) * u[j];
+    }
+}
+
+void silu_mul_bf16(long rows, long cols, const uint16_t *gate, long gs, const uint16_t *up,
+                   long us, uint16_t *out)
+{
+    for (long r = 0; r < rows; r++) {
+        const uint16_t *g = gate + r * gs, *u = up + r * us;
+        uint16_t *o = out + r * cols;
+        for (long j = 0; j < cols; j++)
+            o[j] = float_bf16(silu(bf16_float(g[j])) * bf16_float(u[j]));
+    }
 }

@@ -21,7 +21,14 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.common import RMSNorm, Rotary, activation, add_routed, copy_weight
+from hybrid_pd.engine.models.common import (
+    RMSNorm,
+    Rotary,
+    act_times,
+    activation,
+    add_routed,
+    copy_weight,
+)
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
 from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
@@ -152,7 +159,7 @@ class SharedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(self.act(gate) * up)
+        return self.output_linear(act_times(self.act, gate, up))
 
 
 class _Router(nn.Module):
@@ -213,7 +220,8 @@ class SparseMoE(nn.Module):
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         w_in, w_out = self.input_linear.weight[e], self.output_linear.weight[e]
         gate, up = packed_linear(x, w_in, self._packs.get(("in", e), w_in)).chunk(2, dim=-1)
-        return packed_linear(self.act(gate) * up, w_out, self._packs.get(("out", e), w_out))
+        a = act_times(self.act, gate, up)
+        return packed_linear(a, w_out, self._packs.get(("out", e), w_out))
 
     def _all_experts_pay(self, x: torch.Tensor, top_idx: torch.Tensor) -> bool:
         """Every expert picked (routing reads every expert's weights anyway), few tokens
