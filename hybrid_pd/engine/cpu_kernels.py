@@ -122,6 +122,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ssd_scan.argtypes = [i, p, *[i] * 6, p, p, *[long_] * 3, p, long_, long_, p, p, p]
     lib.ssd_scan.argtypes += [long_, long_, p]
     lib.ssd_scan.restype = i
+    for name in ("gated_norm_f32", "gated_norm_bf16"):
+        getattr(lib, name).argtypes = [long_, i, i, p, long_, long_, p, long_, long_, p]
+        getattr(lib, name).argtypes += [ctypes.c_float, p]
+        getattr(lib, name).restype = i
     for name in ("silu_mul_f32", "silu_mul_bf16"):
         getattr(lib, name).argtypes = [long_, long_, p, long_, p, long_, p]
         getattr(lib, name).restype = None
@@ -371,4 +375,34 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
         rows, cols, gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
         out.data_ptr(),
     )  # fmt: skip
+    return out
+
+
+def gated_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:
+    """Qwen3.5's gated RMS norm, (weight * x rsqrt(mean(x^2) + eps)) * silu(z) per vector
+    of the last dim, in one C pass; None where the kernel does not apply. x and z
+    [T, H, dim] (the last dim contiguous), weight [dim], all float32 or all bfloat16 on the
+    CPU. In bfloat16 it rounds where `GatedRMSNorm.forward` does. Returns [T, H, dim]."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        return None
+    if z.dtype is not x.dtype or weight.dtype is not x.dtype or z.device.type != "cpu":
+        return None
+    if x.dim() != 3 or z.shape != x.shape or weight.shape != x.shape[-1:]:
+        return None
+    if x.stride(-1) != 1 or z.stride(-1) != 1 or not weight.is_contiguous():
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    tokens, heads, dim = x.shape
+    out = x.new_empty(tokens, heads, dim)
+    fn = lib.gated_norm_f32 if x.dtype is torch.float32 else lib.gated_norm_bf16
+    code = fn(
+        tokens, heads, dim, x.data_ptr(), *x.stride()[:2], z.data_ptr(), *z.stride()[:2],
+        weight.data_ptr(), eps, out.data_ptr(),
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"gated_norm refused its arguments (code {code})")
     return out

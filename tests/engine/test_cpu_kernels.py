@@ -369,3 +369,28 @@ def test_gated_mlps_take_the_fused_silu(monkeypatch):
         plain = mlp(x)
     assert calls == [True]
     assert torch.allclose(fused, plain, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_norm_equals_the_pytorch_norm(dtype, monkeypatch):
+    from hybrid_pd.engine.models.qwen3_5 import GatedRMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    norm = GatedRMSNorm(64, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(64, generator=gen))
+    x = torch.randn(50, 4, 64, generator=gen).to(dtype)
+    proj = torch.randn(50, 4 * 64 + 7, generator=gen).to(dtype)  # z: a view of a projection
+    z = proj[:, 7:].view(50, 4, 64)
+    with torch.no_grad():
+        fused = cpu_kernels.gated_norm(x, z, norm.weight, norm.eps)
+        monkeypatch.setattr(cpu_kernels, "gated_norm", lambda *a: None)
+        plain = norm(x, z)
+    assert fused is not None and fused.dtype is dtype and fused.shape == x.shape
+    diff = (fused.float() - plain.float()).abs()
+    if dtype is torch.float32:
+        assert diff.max().item() <= 1e-5
+    else:  # the same roundings: equal but where a sum of squares lands on a tie
+        scale = plain.float().abs().clamp_min(1e-3)
+        assert (diff / scale).max().item() <= 2.0**-7
+        assert (diff > 0).float().mean().item() < 0.01

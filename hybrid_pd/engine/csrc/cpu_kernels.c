@@ -340,3 +340,77 @@ void silu_mul_bf16(long rows, long cols, const uint16_t *gate, long gs, const ui
             o[j] = float_bf16(silu(bf16_float(g[j])) * bf16_float(u[j]));
     }
 }
+
+/* Gated RMS norm of Qwen3.5 / Qwen3-Next's linear attention, per head vector of `dim`:
+ *
+ *   a = x rsqrt(mean(x^2) + eps);  out = (w a) silu(z)
+ *
+ * with PyTorch's roundings in bfloat16 (a and w a rounded to bfloat16 as the model's
+ * PyTorch form does; the sum of squares in float32 over LANES partial sums). x, z: [T, H,
+ * dim], strides xt, xh and zt, zh (dim contiguous); w: [dim]; out: [T, H, dim] contiguous.
+ */
+static inline __attribute__((always_inline)) float load_as(const void *p, long i, int bf16)
+{
+    return bf16 ? bf16_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) float round_as(float f, int bf16)
+{
+    return bf16 ? bf16_float(float_bf16(f)) : f;
+}
+
+static inline __attribute__((always_inline)) void
+gated_norm(long tokens, int heads, int dim, const void *x, long xt, long xh, const void *z,
+           long zt, long zh, const void *w, float eps, void *out, const int bf16)
+{
+    float a[MAX_DIM];
+    for (long t = 0; t < tokens; t++)
+        for (int h = 0; h < heads; h++) {
+            const long xo = t * xt + h * xh, zo = t * zt + h * zh;
+            const long oo = (t * heads + h) * (long)dim;
+            float acc[LANES] = {0};
+            int j = 0;
+            for (; j + LANES <= dim; j += LANES)
+                for (int l = 0; l < LANES; l++) {
+                    const float v = load_as(x, xo + j + l, bf16);
+                    acc[l] += v * v;
+                }
+            for (; j < dim; j++) {
+                const float v = load_as(x, xo + j, bf16);
+                acc[0] += v * v;
+            }
+            float sum = 0.f;
+            for (int l = 0; l < LANES; l++)
+                sum += acc[l];
+            const float r = 1.f / sqrtf(sum / (float)dim + eps);
+            for (j = 0; j < dim; j++)
+                a[j] = round_as(load_as(x, xo + j, bf16) * r, bf16);
+            for (j = 0; j < dim; j++) {
+                const float y = round_as(load_as(w, j, bf16) * a[j], bf16);
+                const float o = y * silu(load_as(z, zo + j, bf16));
+                if (bf16)
+                    ((uint16_t *)out)[oo + j] = float_bf16(o);
+                else
+                    ((float *)out)[oo + j] = o;
+            }
+        }
+}
+
+int gated_norm_f32(long tokens, int heads, int dim, const float *x, long xt, long xh,
+                   const float *z, long zt, long zh, const float *w, float eps, float *out)
+{
+    if (dim > MAX_DIM)
+        return -1;
+    gated_norm(tokens, heads, dim, x, xt, xh, z, zt, zh, w, eps, out, 0);
+    return 0;
+}
+
+int gated_norm_bf16(long tokens, int heads, int dim, const uint16_t *x, long xt, long xh,
+                    const uint16_t *z, long zt, long zh, const uint16_t *w, float eps,
+                    uint16_t *out)
+{
+    if (dim > MAX_DIM)
+        return -1;
+    gated_norm(tokens, heads, dim, x, xt, xh, z, zt, zh, w, eps, out, 1);
+    return 0;
+}
