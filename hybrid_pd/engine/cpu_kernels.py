@@ -126,8 +126,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [long_, i, i, p, long_, long_, p, long_, long_, p]
         getattr(lib, name).argtypes += [ctypes.c_float, p]
         getattr(lib, name).restype = i
-    for name in ("silu_mul_f32", "silu_mul_bf16"):
-        getattr(lib, name).argtypes = [long_, long_, p, long_, p, long_, p]
+    for name in ("act_mul_f32", "act_mul_bf16"):
+        getattr(lib, name).argtypes = [long_, long_, p, long_, p, long_, p, i]
         getattr(lib, name).restype = None
 
 
@@ -354,26 +354,33 @@ def ssd_scan(
     return y
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up in one pass, in C; None where the kernel does not apply. gate and up
-    [rows, cols], float32 or bfloat16 on the CPU, rows of any stride (the halves of one
-    projection), columns contiguous. bfloat16 is computed in float32 and rounded once (PyTorch
-    rounds silu(gate) first); silu's exp within 2 ulp of float32's."""
-    if gate.dtype not in (torch.float32, torch.bfloat16) or up.dtype is not gate.dtype:
+#: The activations `act_mul` takes, by the name its callers use.
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+def act_mul(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """act(gate) * up in one pass, in C, for act "silu" or "gelu_tanh" (GELU's tanh form);
+    None where the kernel does not apply. gate and up [rows, cols], float32 or bfloat16 on
+    the CPU, rows of any stride (the halves of one projection), columns contiguous. bfloat16
+    is computed in float32 and rounded once (PyTorch rounds act(gate) first); the exp inside
+    within 2 ulp of float32's."""
+    if act not in ACTIVATIONS or gate.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if gate.device.type != "cpu" or up.device.type != "cpu" or gate.dim() != 2:
+    if up.dtype is not gate.dtype or gate.dim() != 2 or up.shape != gate.shape:
         return None
-    if up.shape != gate.shape or gate.stride(1) != 1 or up.stride(1) != 1:
+    if gate.device.type != "cpu" or up.device.type != "cpu":
+        return None
+    if gate.stride(1) != 1 or up.stride(1) != 1:
         return None
     lib = library()
     if lib is None:
         return None
     rows, cols = gate.shape
     out = gate.new_empty(rows, cols)
-    fn = lib.silu_mul_f32 if gate.dtype is torch.float32 else lib.silu_mul_bf16
+    fn = lib.act_mul_f32 if gate.dtype is torch.float32 else lib.act_mul_bf16
     fn(
         rows, cols, gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
-        out.data_ptr(),
+        out.data_ptr(), ACTIVATIONS.index(act),
     )  # fmt: skip
     return out
 

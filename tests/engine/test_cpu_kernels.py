@@ -320,52 +320,64 @@ def test_a_prompt_and_decode_steps_update_a_mamba2_state_bit_for_bit_alike():
     assert torch.equal(stepped, whole)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_against_float64(dtype):
+def test_act_mul_against_float64(act, dtype):
     import torch.nn.functional as F
 
+    def reference(x):
+        return F.silu(x) if act == "silu" else F.gelu(x, approximate="tanh")
+
     gen = torch.Generator().manual_seed(11)
-    # the halves of one projection (rows strided), values far into both tails
+    # the halves of one projection (rows strided), values far into both tails and near 0
     h = (torch.randn(37, 2 * 300, generator=gen) * 8).to(dtype)
-    h[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])
+    h[0, :6] = torch.tensor([-200.0, 200.0, 0.0, -0.0, 1e-3, -1e-3])
     gate, up = h.split([300, 300], -1)
-    out = cpu_kernels.silu_mul(gate, up)
+    out = cpu_kernels.act_mul(act, gate, up)
     assert out is not None and out.dtype is dtype and out.shape == (37, 300)
-    exact = F.silu(gate.double()) * up.double()
+    x = gate.double()
+    if act == "silu":
+        exact = F.silu(x) * up.double()
+    else:  # 0.5 x (1 + tanh(u)) as x sigmoid(2u): float64's tanh rounds to -1 below u = -19
+        exact = x * torch.sigmoid(2 * 0.7978845608028654 * (x + 0.044715 * x**3)) * up.double()
     rel = ((out.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max().item()
-    # float32: within a few ulp; bfloat16: one rounding (PyTorch's two roundings: up to 2^-8)
-    assert rel <= (1e-6 if dtype is torch.float32 else 2.0**-8)
-    torch_rel = ((F.silu(gate) * up).double() - exact).abs() / exact.abs().clamp_min(1e-30)
-    assert rel <= max(torch_rel.max().item(), 1e-6)
+    # float32: within a few ulp (GELU: far in the negative tail u's rounding, amplified by
+    # exp, leaves 1e-5; PyTorch gives 0 there); bfloat16: one rounding (PyTorch's two: 2^-8)
+    bound = (2e-6 if act == "silu" else 2e-5) if dtype is torch.float32 else 2.0**-8
+    assert rel <= bound
+    torch_rel = ((reference(gate) * up).double() - exact).abs() / exact.abs().clamp_min(1e-30)
+    assert rel <= max(torch_rel.max().item(), bound)
     assert not out.isnan().any()
 
 
-def test_silu_mul_declines_what_it_does_not_take():
+def test_act_mul_declines_what_it_does_not_take():
     g = torch.randn(4, 8)
-    assert cpu_kernels.silu_mul(g.double(), g.double()) is None
-    assert cpu_kernels.silu_mul(g, g.bfloat16()) is None
-    assert cpu_kernels.silu_mul(g.t(), g.t()) is None  # columns not contiguous
-    assert cpu_kernels.silu_mul(g[None], g[None]) is None
+    assert cpu_kernels.act_mul("relu", g, g) is None
+    assert cpu_kernels.act_mul("silu", g.double(), g.double()) is None
+    assert cpu_kernels.act_mul("silu", g, g.bfloat16()) is None
+    assert cpu_kernels.act_mul("silu", g.t(), g.t()) is None  # columns not contiguous
+    assert cpu_kernels.act_mul("silu", g[None], g[None]) is None
 
 
-def test_gated_mlps_take_the_fused_silu(monkeypatch):
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_gated_mlps_take_the_fused_activation(act, monkeypatch):
     from hybrid_pd.engine.models.common import GatedMLP
 
     torch.manual_seed(0)
-    mlp = GatedMLP(32, 64)
+    mlp = GatedMLP(32, 64, act)
     x = torch.randn(5, 32)
     calls = []
-    real = cpu_kernels.silu_mul
+    real = cpu_kernels.act_mul
 
-    def counting(gate, up):
-        out = real(gate, up)
+    def counting(act, gate, up):
+        out = real(act, gate, up)
         calls.append(out is not None)
         return out
 
     with torch.no_grad():
-        monkeypatch.setattr(cpu_kernels, "silu_mul", counting)
+        monkeypatch.setattr(cpu_kernels, "act_mul", counting)
         fused = mlp(x)
-        monkeypatch.setattr(cpu_kernels, "silu_mul", lambda *a: None)
+        monkeypatch.setattr(cpu_kernels, "act_mul", lambda *a: None)
         plain = mlp(x)
     assert calls == [True]
     assert torch.allclose(fused, plain, atol=1e-6, rtol=1e-5)

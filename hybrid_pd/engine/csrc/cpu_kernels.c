@@ -317,38 +317,14 @@ static inline float exp_vec(float x)
 
 static inline float silu(float x) { return x / (1.f + exp_vec(-x)); }
 
-/* out = silu(gate) * up over rows x cols; gate and up rows gs and us elements apart (the
- * halves of one projection, say); out contiguous. One pass, one rounding per output. */
-void silu_mul_f32(long rows, long cols, const float *gate, long gs, const float *up, long us,
-                  float *out)
+/* GELU's tanh form, 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), written
+ * as x / (1 + e^(-2u)): the same function, without tanh's cancellation near 0. */
+static inline float gelu_tanh(float x)
 {
-    for (long r = 0; r < rows; r++) {
-        const float *g = gate + r * gs, *u = up + r * us;
-        float *o = out + r * cols;
-        for (long j = 0; j < cols; j++)
-            o[j] = silu(g[j]) * u[j];
-    }
+    const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return x / (1.f + exp_vec(-2.f * u));
 }
 
-void silu_mul_bf16(long rows, long cols, const uint16_t *gate, long gs, const uint16_t *up,
-                   long us, uint16_t *out)
-{
-    for (long r = 0; r < rows; r++) {
-        const uint16_t *g = gate + r * gs, *u = up + r * us;
-        uint16_t *o = out + r * cols;
-        for (long j = 0; j < cols; j++)
-            o[j] = float_bf16(silu(bf16_float(g[j])) * bf16_float(u[j]));
-    }
-}
-
-/* Gated RMS norm of Qwen3.5 / Qwen3-Next's linear attention, per head vector of `dim`:
- *
- *   a = x rsqrt(mean(x^2) + eps);  out = (w a) silu(z)
- *
- * with PyTorch's roundings in bfloat16 (a and w a rounded to bfloat16 as the model's
- * PyTorch form does; the sum of squares in float32 over LANES partial sums). x, z: [T, H,
- * dim], strides xt, xh and zt, zh (dim contiguous); w: [dim]; out: [T, H, dim] contiguous.
- */
 static inline __attribute__((always_inline)) float load_as(const void *p, long i, int bf16)
 {
     return bf16 ? bf16_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -359,6 +335,59 @@ static inline __attribute__((always_inline)) float round_as(float f, int bf16)
     return bf16 ? bf16_float(float_bf16(f)) : f;
 }
 
+/* out = act(gate) * up over rows x cols, act SiLU (gelu = 0) or GELU's tanh form (gelu = 1);
+ * gate and up rows gs and us elements apart (the halves of one projection, say); out
+ * contiguous. One pass, one rounding per output. */
+static inline __attribute__((always_inline)) float act(float x, const int gelu)
+{
+    return gelu ? gelu_tanh(x) : silu(x);
+}
+
+static inline __attribute__((always_inline)) void
+act_mul(long rows, long cols, const void *gate, long gs, const void *up, long us, void *out,
+        const int gelu, const int bf16)
+{
+    for (long r = 0; r < rows; r++) {
+        if (bf16) {
+            const uint16_t *g = (const uint16_t *)gate + r * gs, *u = (const uint16_t *)up + r * us;
+            uint16_t *restrict o = (uint16_t *)out + r * cols;
+            for (long j = 0; j < cols; j++)
+                o[j] = float_bf16(act(bf16_float(g[j]), gelu) * bf16_float(u[j]));
+        } else {
+            const float *g = (const float *)gate + r * gs, *u = (const float *)up + r * us;
+            float *restrict o = (float *)out + r * cols;
+            for (long j = 0; j < cols; j++)
+                o[j] = act(g[j], gelu) * u[j];
+        }
+    }
+}
+
+void act_mul_f32(long rows, long cols, const float *gate, long gs, const float *up, long us,
+                 float *out, int gelu)
+{
+    if (gelu)
+        act_mul(rows, cols, gate, gs, up, us, out, 1, 0);
+    else
+        act_mul(rows, cols, gate, gs, up, us, out, 0, 0);
+}
+
+void act_mul_bf16(long rows, long cols, const uint16_t *gate, long gs, const uint16_t *up,
+                  long us, uint16_t *out, int gelu)
+{
+    if (gelu)
+        act_mul(rows, cols, gate, gs, up, us, out, 1, 1);
+    else
+        act_mul(rows, cols, gate, gs, up, us, out, 0, 1);
+}
+
+/* Gated RMS norm of Qwen3.5 / Qwen3-Next's linear attention, per head vector of `dim`:
+ *
+ *   a = x rsqrt(mean(x^2) + eps);  out = (w a) silu(z)
+ *
+ * with PyTorch's roundings in bfloat16 (a and w a rounded to bfloat16 as the model's
+ * PyTorch form does; the sum of squares in float32 over LANES partial sums). x, z: [T, H,
+ * dim], strides xt, xh and zt, zh (dim contiguous); w: [dim]; out: [T, H, dim] contiguous.
+ */
 static inline __attribute__((always_inline)) void
 gated_norm(long tokens, int heads, int dim, const void *x, long xt, long xh, const void *z,
            long zt, long zh, const void *w, float eps, void *out, const int bf16)
