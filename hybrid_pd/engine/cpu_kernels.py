@@ -148,7 +148,9 @@ def library() -> ctypes.CDLL | None:
                 _declare(lib)
                 _lib = lib
                 logger.info("CPU kernels: %s", path)
-            except (OSError, subprocess.SubprocessError) as e:
+            # AttributeError: a library without a function this module declares (the source
+            # changed under a running install)
+            except (OSError, AttributeError, subprocess.SubprocessError) as e:
                 _why_not = str(e)
                 logger.warning("CPU kernels unavailable, using the PyTorch path: %s", e)
         _tried = True
