@@ -157,8 +157,11 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def status() -> str:
-    """`on`, or `off (why)`, for logs and stats; builds the kernels if not tried yet."""
+def status(build: bool = True) -> str:
+    """`on`, or `off (why)`, for logs and stats; builds the kernels if not tried yet (with
+    `build=False`: `not loaded` then)."""
+    if not _tried and not build:
+        return "not loaded"
     return "on" if library() is not None else f"off ({_why_not})"
 
 
@@ -272,6 +275,20 @@ def gdn_step(
     return out
 
 
+def _ssd_operands(x, dt, a_coef, b, c, state) -> bool:
+    """Whether Mamba2's operands fit the C kernels: float32 on the CPU, x [T, H, P],
+    dt [T, H], a_coef [H] contiguous, b and c [T, G, N] with the same strides, N contiguous,
+    G dividing H."""
+    if not all(_f32(t) for t in (x, dt, a_coef, b, c, state)) or x.dim() != 3:
+        return False
+    rows, heads = x.shape[0], x.shape[1]
+    if dt.shape != (rows, heads) or a_coef.shape != (heads,) or not a_coef.is_contiguous():
+        return False
+    if b.dim() != 3 or b.shape[0] != rows or heads % b.shape[1]:
+        return False
+    return c.shape == b.shape and c.stride() == b.stride() and b.stride(-1) == 1
+
+
 def ssd_step(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -286,16 +303,12 @@ def ssd_step(
     contiguous (rows gathered from the pool may be strided), all float32 on the CPU.
     `state` is updated in place. Returns y [S, H, P] (no D term): `_ssd_step`'s values, the
     sum over N in another order."""
-    if not all(_f32(t) for t in (x, dt, a_coef, b, c, state)):
+    if not _ssd_operands(x, dt, a_coef, b, c, state) or state.stride(-1) != 1:
         return None
     seqs, heads, hd = x.shape
+    if state.shape != (seqs, heads, hd, b.shape[2]):
+        return None
     groups, ns = b.shape[1], b.shape[2]
-    if state.shape != (seqs, heads, hd, ns) or dt.shape != (seqs, heads) or heads % groups:
-        return None
-    if c.shape != b.shape or c.stride() != b.stride() or a_coef.shape != (heads,):
-        return None
-    if state.stride(-1) != 1 or b.stride(-1) != 1 or not a_coef.is_contiguous():
-        return None
     lib = library()
     if lib is None:
         return None
@@ -326,16 +339,12 @@ def ssd_scan(
     CPU. `state` [S, H, P, N], contiguous: each sequence's state at its start, updated in
     place to its state at the end. Returns y [T, H, P] (no D term): the values of the
     chunked scan (`mamba2._ssd_packed`), summed as the recurrence does."""
-    if not all(_f32(t) for t in (x, dt, a_coef, b, c, state)) or not state.is_contiguous():
+    if not _ssd_operands(x, dt, a_coef, b, c, state) or not state.is_contiguous():
         return None
     total, heads, hd = x.shape
     groups, ns = b.shape[1], b.shape[2]
     seqs = len(lengths)
-    if state.shape != (seqs, heads, hd, ns) or sum(lengths) != total or heads % groups:
-        return None
-    if dt.shape != (total, heads) or c.shape != b.shape or c.stride() != b.stride():
-        return None
-    if b.stride(-1) != 1 or a_coef.shape != (heads,) or not a_coef.is_contiguous():
+    if state.shape != (seqs, heads, hd, ns) or sum(lengths) != total:
         return None
     lib = library()
     if lib is None:

@@ -85,8 +85,7 @@ class Engine:
         self.config = config
         param = next(model.parameters())
         self.device = param.device
-        kernels = any(getattr(m, "uses_cpu_kernels", False) for m in model.modules())
-        if self.device.type == "cpu" and kernels:
+        if self.device.type == "cpu":
             cpu_kernels.library()  # built (or refused, logged) now, not at the first prompt
         self.kv_config, max_len = plan_kv_cache(model, hf_config, config)
         self.max_model_len = max_len

@@ -25,6 +25,7 @@ from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import DEFAULT_LEASE_S
 from hybrid_pd.connector.segments import PoolRegions
 from hybrid_pd.decode_worker import DecodeRole
+from hybrid_pd.engine import cpu_kernels
 from hybrid_pd.engine.engine import Engine, EngineConfig, plan_kv_cache
 from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.loop import EngineLoop
@@ -162,6 +163,7 @@ class Worker:
             model=self.model_name,
             page_size_bytes=self.layout.page_size_bytes,
             block_size=self.layout.block_size,
+            cpu_kernels=cpu_kernels.status(build=False),
         )
         for role in (self.prefill, self.decode):
             if role is not None:

@@ -158,6 +158,7 @@ def test_stats_reply_is_typed(arch):
         assert r.num_blocks > 1 and r.free_blocks == r.num_blocks - 1
         assert (r.kv_requests, r.running, r.waiting, r.receiving) == (0, 0, 0, 0)
         assert r.integrity == "ok" and r.published_at > 0
+        assert r.cpu_kernels == "on"  # CPU workers on a machine with a C compiler
         assert r.HasField("prefill") == (role == "prefill")
         assert r.HasField("decode") == (role == "decode")
         replies[role] = r

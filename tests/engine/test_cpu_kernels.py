@@ -201,6 +201,20 @@ def test_qwen3_5_prefill_runs_the_kernel_and_matches_the_pytorch_path(monkeypatc
     assert torch.equal(state, before)  # the pool's state is not written in place
 
 
+def _ssd_inputs(rows, heads, hd, ns, groups, seed, offset=0):
+    """x, b, c as views of one activation row (as the conv leaves them; `offset` columns
+    before them), dt and a_coef."""
+    gen = torch.Generator().manual_seed(seed)
+    width = heads * hd + 2 * groups * ns
+    act = torch.randn(rows, offset + width, generator=gen)[:, offset:]
+    x = act[:, : heads * hd].view(rows, heads, hd)
+    b = act[:, heads * hd : heads * hd + groups * ns].view(rows, groups, ns)
+    c = act[:, heads * hd + groups * ns :].view(rows, groups, ns)
+    dt = torch.rand(rows, heads, generator=gen) * 0.5
+    a_coef = -torch.rand(heads, generator=gen) * 4
+    return x, b, c, dt, a_coef, gen
+
+
 @pytest.mark.parametrize(
     ("seqs", "heads", "hd", "ns", "groups"),
     [
@@ -213,14 +227,7 @@ def test_qwen3_5_prefill_runs_the_kernel_and_matches_the_pytorch_path(monkeypatc
 def test_ssd_step_equals_the_pytorch_step(seqs, heads, hd, ns, groups):
     from hybrid_pd.engine.models.mamba2 import _ssd_step
 
-    gen = torch.Generator().manual_seed(seqs)
-    width = heads * hd + 2 * groups * ns
-    xbc = torch.randn(seqs, width + 5, generator=gen)[:, 5:]  # rows of a wider tensor
-    x = xbc[:, : heads * hd].view(seqs, heads, hd)
-    b = xbc[:, heads * hd : heads * hd + groups * ns].view(seqs, groups, ns)
-    c = xbc[:, heads * hd + groups * ns :].view(seqs, groups, ns)
-    dt = torch.rand(seqs, heads, generator=gen) * 0.5
-    a_coef = -torch.rand(heads, generator=gen) * 4
+    x, b, c, dt, a_coef, gen = _ssd_inputs(seqs, heads, hd, ns, groups, seqs, offset=5)
     # states as gathered rows of a pool: each row strided past the next
     pool = torch.randn(seqs, 2, heads, hd, ns, generator=gen)
     state = pool[:, 1]
@@ -245,14 +252,8 @@ def test_ssd_step_equals_the_pytorch_step(seqs, heads, hd, ns, groups):
 def test_ssd_scan_equals_the_chunked_scan(lengths, heads, hd, ns, groups):
     from hybrid_pd.engine.models.mamba2 import _ssd_packed
 
-    gen = torch.Generator().manual_seed(len(lengths))
     total, seqs = sum(lengths), len(lengths)
-    act = torch.randn(total, heads * hd + 2 * groups * ns, generator=gen)
-    x = act[:, : heads * hd].view(total, heads, hd)
-    b = act[:, heads * hd : heads * hd + groups * ns].view(total, groups, ns)
-    c = act[:, heads * hd + groups * ns :].view(total, groups, ns)
-    dt = torch.rand(total, heads, generator=gen) * 0.5
-    a_coef = -torch.rand(heads, generator=gen) * 4
+    x, b, c, dt, a_coef, gen = _ssd_inputs(total, heads, hd, ns, groups, len(lengths))
     h0 = torch.randn(seqs, heads, hd, ns, generator=gen) * 0.5
     want_y, want_h1 = _ssd_packed(x, dt, a_coef, b, c, 64, h0.clone(), [0] * seqs, lengths)
     h1 = h0.clone()
@@ -301,14 +302,8 @@ def test_a_prompt_and_decode_steps_update_a_gdn_state_bit_for_bit_alike():
 
 
 def test_a_prompt_and_decode_steps_update_a_mamba2_state_bit_for_bit_alike():
-    gen = torch.Generator().manual_seed(9)
     total, heads, hd, ns, groups = 20, 4, 16, 64, 2
-    act = torch.randn(total, heads * hd + 2 * groups * ns, generator=gen)
-    x = act[:, : heads * hd].view(total, heads, hd)
-    b = act[:, heads * hd : heads * hd + groups * ns].view(total, groups, ns)
-    c = act[:, heads * hd + groups * ns :].view(total, groups, ns)
-    dt = torch.rand(total, heads, generator=gen) * 0.5
-    a_coef = -torch.rand(heads, generator=gen) * 4
+    x, b, c, dt, a_coef, gen = _ssd_inputs(total, heads, hd, ns, groups, 9)
     h0 = torch.randn(1, heads, hd, ns, generator=gen)
     whole = h0.clone()
     y_whole = cpu_kernels.ssd_scan(x, dt, a_coef, b, c, whole, [total])

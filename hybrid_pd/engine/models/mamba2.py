@@ -248,10 +248,6 @@ class GatedRMSNorm(nn.Module):
 class Mamba2Mixer(nn.Module):
     """Checkpoint names: in_proj, conv1d, dt_bias, A_log, D, norm.weight, out_proj."""
 
-    #: the scan of a prompt and a decode step's state update run in C on the CPU
-    #: (engine/cpu_kernels.py)
-    uses_cpu_kernels = True
-
     def __init__(self, d: Mamba2Dims, name: str) -> None:
         super().__init__()
         self.name = name

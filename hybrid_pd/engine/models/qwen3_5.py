@@ -228,9 +228,6 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    #: a prompt's delta rule runs in C on the CPU (engine/cpu_kernels.py)
-    uses_cpu_kernels = True
-
     def __init__(self, cfg: Mapping[str, Any], layer_name: str, fused: bool = False) -> None:
         super().__init__()
         hidden = int(cfg["hidden_size"])
