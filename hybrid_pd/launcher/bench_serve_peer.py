@@ -4,8 +4,10 @@ Ours is the proxy in front of one aggregated worker (role `both`); vLLM's is its
 server (`python -m vllm.entrypoints.openai.api_server`, eager) under its own Python. Both
 serve the same checkpoint in its own dtype, with the same KV memory and the same most
 sequences per step, and take the same streaming completions (the same prompt token ids,
-greedy, `ignore_eos`) at each concurrency level. Each side keeps its own defaults otherwise
-(the tokens one step may batch, its HTTP server): what an operator gets from either.
+greedy, `ignore_eos`) at each concurrency level; every repetition and level has prompts of
+its own (`rep_prompts`: a prompt seen before would measure the prefix caches). Each side
+keeps its own defaults otherwise (the tokens one step may batch, its HTTP server): what an
+operator gets from either.
 
 Both stay up for the whole run; repetitions alternate which side goes first. While ours is
 measured, vLLM's processes are stopped (SIGSTOP): its idle worker polls for work and would
@@ -86,7 +88,6 @@ def bench_serve_peer(
     seqs = max(levels)
     kv_bytes = parse_bytes(kv_memory)
     cpus = bench_cpus(threads)
-    prompts = {c: [_prompt(f"{c}-{i}", prompt_len, vocab) for i in range(requests)] for c in levels}
     warm = _prompt("warmup", prompt_len, vocab)
     budget = max_seconds / (2 * reps)  # per side and repetition: no request starts after it
 
@@ -151,6 +152,7 @@ def bench_serve_peer(
         for rep in range(reps):
             order = ("ours", "vllm") if rep % 2 == 0 else ("vllm", "ours")
             for side in order:
+                prompts = rep_prompts(levels, requests, prompt_len, vocab, rep)
                 per_rep[side].append(run(side, prompts, time.monotonic() + budget, f"rep {rep}"))
         proxy.stop()
         proxy = None
@@ -205,6 +207,20 @@ def bench_serve_peer(
         "no_leaks": all(w["clean"] for w in kv_check),
         "errors": errors,
         "peer_log": peer_log,
+    }
+
+
+def rep_prompts(
+    levels: list[int], requests: int, prompt_len: int, vocab: int | None, rep: int
+) -> dict[int, list[list[int]]]:
+    """Each level's prompts in repetition `rep`: the same on both sides, new in every
+    repetition and level. A prompt seen before would hit a prefix cache, and the two sides do
+    not cache alike (ours caches, the vLLM server here runs with prefix caching off, as
+    Granite-4.0-H in float32 needs on vLLM's CPU build): a second repetition of the same
+    prompts measured our cache, not serving."""
+    return {
+        c: [_prompt(f"rep{rep}-{c}-{i}", prompt_len, vocab) for i in range(requests)]
+        for c in levels
     }
 
 

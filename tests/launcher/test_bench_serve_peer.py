@@ -3,7 +3,7 @@ whole bench against a real vLLM server is tests/vllm_connector/test_bench_serve_
 
 from __future__ import annotations
 
-from hybrid_pd.launcher.bench_serve_peer import _greedy_agreement, _median_rows
+from hybrid_pd.launcher.bench_serve_peer import _greedy_agreement, _median_rows, rep_prompts
 
 
 def _row(c, tps, errors=0, ids=None):
@@ -33,3 +33,14 @@ def test_greedy_agreement_names_where_requests_part():
         {"concurrency": 1, "request": 1, "first_token": 1},
         {"concurrency": 4, "request": 0, "first_token": 1},
     ]
+
+
+def test_every_repetition_and_level_gets_prompts_of_its_own():
+    # a prompt seen in an earlier repetition would hit our prefix cache (the vLLM server runs
+    # without one): each repetition is cold on both sides
+    first, again = rep_prompts([1, 8], 4, 16, 32000, 0), rep_prompts([1, 8], 4, 16, 32000, 0)
+    second = rep_prompts([1, 8], 4, 16, 32000, 1)
+    assert first == again  # both sides of one repetition get the same ids
+    every = [tuple(p) for rep in (first, second) for level in rep.values() for p in level]
+    assert len(every) == 16 and len(set(every)) == 16
+    assert all(len(p) == 16 and all(1000 <= t < 32000 for t in p) for p in every)
