@@ -126,6 +126,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [long_, i, i, p, long_, long_, p, long_, long_, p]
         getattr(lib, name).argtypes += [ctypes.c_float, p]
         getattr(lib, name).restype = i
+    for name in ("gate_norm_f32", "gate_norm_bf16"):
+        getattr(lib, name).argtypes = [long_, i, i, p, long_, p, long_, p, ctypes.c_float, p]
+        getattr(lib, name).restype = i
     for name in ("act_mul_f32", "act_mul_bf16"):
         getattr(lib, name).argtypes = [long_, long_, p, long_, p, long_, p, i]
         getattr(lib, name).restype = None
@@ -423,4 +426,34 @@ def gated_norm(
     )  # fmt: skip
     if code:
         raise RuntimeError(f"gated_norm refused its arguments (code {code})")
+    return out
+
+
+def gate_norm(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group: int, eps: float
+) -> torch.Tensor | None:
+    """Mamba2's gated RMS norm, weight * norm(y * silu(z)) over groups of `group` channels,
+    in one C pass; None where the kernel does not apply. y [T, inner] float32, z [T, inner]
+    and weight [inner] both float32 or both bfloat16, on the CPU, rows of any stride, the
+    channels contiguous. Returns [T, inner] float32, as `mamba2.GatedRMSNorm` computes."""
+    if y.dtype is not torch.float32 or z.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if weight.dtype is not z.dtype or y.dim() != 2 or z.shape != y.shape:
+        return None
+    if any(t.device.type != "cpu" for t in (y, z, weight)) or not weight.is_contiguous():
+        return None
+    if y.stride(1) != 1 or z.stride(1) != 1 or weight.shape != y.shape[1:]:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    tokens, inner = y.shape
+    out = y.new_empty(tokens, inner)
+    fn = lib.gate_norm_f32 if z.dtype is torch.float32 else lib.gate_norm_bf16
+    code = fn(
+        tokens, inner, group, y.data_ptr(), y.stride(0), z.data_ptr(), z.stride(0),
+        weight.data_ptr(), eps, out.data_ptr(),
+    )  # fmt: skip
+    if code:
+        return None  # a group the kernel does not take (over 1,024 channels)
     return out

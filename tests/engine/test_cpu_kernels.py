@@ -401,3 +401,26 @@ def test_gated_norm_equals_the_pytorch_norm(dtype, monkeypatch):
         scale = plain.float().abs().clamp_min(1e-3)
         assert (diff / scale).max().item() <= 2.0**-7
         assert (diff > 0).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize(
+    ("dtype", "inner", "group"),
+    [(torch.float32, 256, 64), (torch.bfloat16, 96, 96), (torch.float32, 40, 20)],
+)
+def test_gate_norm_equals_mamba2s_pytorch_norm(dtype, inner, group, monkeypatch):
+    from hybrid_pd.engine.models.mamba2 import GatedRMSNorm
+
+    gen = torch.Generator().manual_seed(6)
+    norm = GatedRMSNorm(inner, group, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(inner, generator=gen))
+    y = torch.randn(9, inner, generator=gen)  # Mamba2's y is float32 in every dtype
+    proj = torch.randn(9, 2 * inner + 3, generator=gen).to(dtype)
+    z = proj[:, 3 : 3 + inner]  # a view of the in_proj output
+    with torch.no_grad():
+        fused = cpu_kernels.gate_norm(y, z, norm.weight, group, norm.eps)
+        monkeypatch.setattr(cpu_kernels, "gate_norm", lambda *a: None)
+        plain = norm(y, z)
+    assert fused is not None and fused.dtype is torch.float32 and plain.dtype is torch.float32
+    assert (fused - plain).abs().max().item() <= 1e-5 * max(1.0, plain.abs().max().item())
+    assert cpu_kernels.gate_norm(y.double(), z, norm.weight, group, norm.eps) is None

@@ -443,3 +443,55 @@ int gated_norm_bf16(long tokens, int heads, int dim, const uint16_t *x, long xt,
     gated_norm(tokens, heads, dim, x, xt, xh, z, zt, zh, w, eps, out, 1);
     return 0;
 }
+
+/* Mamba2's gated RMS norm: h = y silu(z), normalised over groups of `group` channels, times
+ * w, in float32 (as the PyTorch form computes it whatever the model's dtype). y: [T, inner]
+ * float32, rows ys apart; z: [T, inner], rows zs apart, and w: [inner], both float32 or
+ * both bfloat16 (bf16 = 1); out: [T, inner] float32, contiguous. The sum of squares runs
+ * in LANES partial sums.
+ */
+static inline __attribute__((always_inline)) void
+gate_norm(long tokens, int inner, int group, const float *y, long ys, const void *z, long zs,
+          const void *w, float eps, float *out, const int bf16)
+{
+    float h[MAX_DIM];
+    for (long t = 0; t < tokens; t++)
+        for (int g0 = 0; g0 < inner; g0 += group) {
+            const float *yr = y + t * ys + g0;
+            const long zo = t * zs + g0;
+            for (int j = 0; j < group; j++)
+                h[j] = yr[j] * silu(load_as(z, zo + j, bf16));
+            float acc[LANES] = {0};
+            int j = 0;
+            for (; j + LANES <= group; j += LANES)
+                for (int l = 0; l < LANES; l++)
+                    acc[l] += h[j + l] * h[j + l];
+            for (; j < group; j++)
+                acc[0] += h[j] * h[j];
+            float sum = 0.f;
+            for (int l = 0; l < LANES; l++)
+                sum += acc[l];
+            const float r = 1.f / sqrtf(sum / (float)group + eps);
+            float *o = out + t * (long)inner + g0;
+            for (j = 0; j < group; j++)
+                o[j] = load_as(w, g0 + j, bf16) * (h[j] * r);
+        }
+}
+
+int gate_norm_f32(long tokens, int inner, int group, const float *y, long ys, const float *z,
+                  long zs, const float *w, float eps, float *out)
+{
+    if (group > MAX_DIM || group < 1 || inner % group)
+        return -1;
+    gate_norm(tokens, inner, group, y, ys, z, zs, w, eps, out, 0);
+    return 0;
+}
+
+int gate_norm_bf16(long tokens, int inner, int group, const float *y, long ys,
+                   const uint16_t *z, long zs, const uint16_t *w, float eps, float *out)
+{
+    if (group > MAX_DIM || group < 1 || inner % group)
+        return -1;
+    gate_norm(tokens, inner, group, y, ys, z, zs, w, eps, out, 1);
+    return 0;
+}
