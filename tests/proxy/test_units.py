@@ -125,6 +125,7 @@ def worker_stats(role: str) -> dict:
         "model": "tiny",
         "page_size_bytes": 4096,
         "block_size": 16,
+        "cpu_kernels": "on",
     }
     if role in ("prefill", "both"):
         out["leases"] = 2
