@@ -129,6 +129,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("gate_norm_f32", "gate_norm_bf16"):
         getattr(lib, name).argtypes = [long_, i, i, p, long_, p, long_, p, ctypes.c_float, p]
         getattr(lib, name).restype = i
+    lib.rms_norm_f32.argtypes = [long_, long_, p, long_, p, ctypes.c_float, ctypes.c_float, p]
+    lib.rms_norm_f32.restype = None
     for name in ("act_mul_f32", "act_mul_bf16"):
         getattr(lib, name).argtypes = [long_, long_, p, long_, p, long_, p, i]
         getattr(lib, name).restype = None
@@ -456,4 +458,37 @@ def gate_norm(
     )  # fmt: skip
     if code:
         return None  # a group the kernel does not take (over 1,024 channels)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor | None:
+    """x * rsqrt(mean(x^2) + eps) * (weight + offset) over the last dim, in one C pass;
+    None where the kernel does not apply. float32 on the CPU only; x of any leading shape
+    whose rows lie a fixed stride apart (the last dim contiguous), weight contiguous. One
+    call instead of F.rms_norm's several operations: what a one-token decode step pays per
+    norm (about 36 against 4 us at 512 channels)."""
+    if x.dtype is not torch.float32 or weight.dtype is not torch.float32 or x.dim() < 1:
+        return None
+    if x.device.type != "cpu" or weight.device.type != "cpu" or not weight.is_contiguous():
+        return None
+    dim = x.shape[-1]
+    if weight.shape != (dim,) or x.stride(-1) != 1 or not x.numel():
+        return None
+    if x.dim() == 1:
+        rows, row_stride = 1, dim
+    elif x.dim() == 2:
+        rows, row_stride = x.shape[0], x.stride(0)
+    elif x.is_contiguous():
+        rows, row_stride = x.numel() // dim, dim
+    else:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = x.new_empty(x.shape)
+    lib.rms_norm_f32(
+        rows, dim, x.data_ptr(), row_stride, weight.data_ptr(), offset, eps, out.data_ptr()
+    )
     return out

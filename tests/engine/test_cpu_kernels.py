@@ -424,3 +424,19 @@ def test_gate_norm_equals_mamba2s_pytorch_norm(dtype, inner, group, monkeypatch)
     assert fused is not None and fused.dtype is torch.float32 and plain.dtype is torch.float32
     assert (fused - plain).abs().max().item() <= 1e-5 * max(1.0, plain.abs().max().item())
     assert cpu_kernels.gate_norm(y.double(), z, norm.weight, group, norm.eps) is None
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_equals_pytorchs(offset):
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(8)
+    weight = 0.5 + 0.3 * torch.randn(64, generator=gen)
+    wide = torch.randn(7, 100, generator=gen)
+    for x in (wide[:, 10:74], torch.randn(3, 4, 64, generator=gen), torch.randn(64)):
+        got = cpu_kernels.rms_norm(x, weight, 1e-6, offset)
+        want = F.rms_norm(x, (64,), weight + offset, 1e-6)
+        assert got is not None and got.shape == x.shape
+        assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
+    assert cpu_kernels.rms_norm(wide[:, 10:74].bfloat16(), weight, 1e-6) is None
+    assert cpu_kernels.rms_norm(torch.randn(4, 64, 3).transpose(1, 2), weight, 1e-6) is None

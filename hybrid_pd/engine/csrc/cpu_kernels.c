@@ -495,3 +495,28 @@ int gate_norm_bf16(long tokens, int inner, int group, const float *y, long ys,
     gate_norm(tokens, inner, group, y, ys, z, zs, w, eps, out, 1);
     return 0;
 }
+
+/* RMS norm of float32 rows: out = x rsqrt(mean(x^2) + eps) (w + offset). x: [rows, dim],
+ * rows xs apart; w: [dim]; out: [rows, dim] contiguous. The sum of squares runs in LANES
+ * partial sums. */
+void rms_norm_f32(long rows, long dim, const float *x, long xs, const float *w, float offset,
+                  float eps, float *out)
+{
+    for (long r = 0; r < rows; r++) {
+        const float *xr = x + r * xs;
+        float *o = out + r * dim;
+        float acc[LANES] = {0};
+        long j = 0;
+        for (; j + LANES <= dim; j += LANES)
+            for (int l = 0; l < LANES; l++)
+                acc[l] += xr[j + l] * xr[j + l];
+        for (; j < dim; j++)
+            acc[0] += xr[j] * xr[j];
+        float sum = 0.f;
+        for (int l = 0; l < LANES; l++)
+            sum += acc[l];
+        const float s = 1.f / sqrtf(sum / (float)dim + eps);
+        for (j = 0; j < dim; j++)
+            o[j] = xr[j] * s * (w[j] + offset);
+    }
+}

@@ -101,6 +101,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype is torch.float32:
+            fused = cpu_kernels.rms_norm(x, self.weight, self.eps, self.offset)
+            if fused is not None:
+                return fused
             # the same operations as below, in one call: no dtype casts to tell them apart
             weight = self.weight + self.offset if self.offset else self.weight
             return F.rms_norm(x, self.weight.shape, weight, self.eps)
