@@ -1,14 +1,15 @@
 """C kernels for the CPU path, built at first use and called through ctypes.
 
-Some recurrences run in PyTorch only as many small operations: the gated delta rule of a
-prompt (Qwen3.5 / Qwen3-Next) costs about 3x in its chunked PyTorch form what one pass over
-each head's state per token costs in C, where the state stays in the cache. Those kernels
-live in `csrc/cpu_kernels.c`, plain C11 without PyTorch headers. The first engine process
-that needs them compiles the file (`$CC` or `cc`, `-O3 -march=native`, well under a second)
-into a cache folder (`HYBRID_PD_KERNEL_CACHE`, default `~/.cache/hybrid-pd/kernels`), named
-by a digest of the source, the flags, the compiler and the CPU, so a changed file or
-another machine builds its own. Processes that start together may both build: each writes
-a file of its own and renames it into place.
+Some work runs in PyTorch only as many small operations: the state layers' recurrences
+(the gated delta rule of a prompt costs about 5x in its chunked PyTorch form what one pass
+over each head's state per token costs in C, where the state stays in the cache), and
+element-wise chains (act(gate) * up, the norms) that PyTorch runs as a pass and a temporary
+per operation. Those kernels live in `csrc/cpu_kernels.c`, plain C11 without PyTorch
+headers. An engine on the CPU compiles the file when it starts (`$CC` or `cc`, `-O3
+-march=native`, well under a second) into a cache folder (`HYBRID_PD_KERNEL_CACHE`, default
+`~/.cache/hybrid-pd/kernels`), named by a digest of the source, the flags, the compiler and
+the CPU, so a changed file or another machine builds its own. Processes that start
+together may both build: each writes a file of its own and renames it into place.
 
 Every kernel has a pure-PyTorch counterpart, which stays the reference (the tests compare
 the two) and the path everywhere else: tensors not on the CPU, a machine without a C
@@ -122,7 +123,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ssd_scan.argtypes = [i, p, *[i] * 6, p, p, *[long_] * 3, p, long_, long_, p, p, p]
     lib.ssd_scan.argtypes += [long_, long_, p]
     lib.ssd_scan.restype = i
-    for name in ("gated_norm_f32", "gated_norm_bf16"):
+    for name in ("norm_gate_f32", "norm_gate_bf16"):
         getattr(lib, name).argtypes = [long_, i, i, p, long_, long_, p, long_, long_, p]
         getattr(lib, name).argtypes += [ctypes.c_float, p]
         getattr(lib, name).restype = i
@@ -401,7 +402,7 @@ def act_mul(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | No
     return out
 
 
-def gated_norm(
+def norm_gate(
     x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor | None:
     """Qwen3.5's gated RMS norm, (weight * x rsqrt(mean(x^2) + eps)) * silu(z) per vector
@@ -421,13 +422,13 @@ def gated_norm(
         return None
     tokens, heads, dim = x.shape
     out = x.new_empty(tokens, heads, dim)
-    fn = lib.gated_norm_f32 if x.dtype is torch.float32 else lib.gated_norm_bf16
+    fn = lib.norm_gate_f32 if x.dtype is torch.float32 else lib.norm_gate_bf16
     code = fn(
         tokens, heads, dim, x.data_ptr(), *x.stride()[:2], z.data_ptr(), *z.stride()[:2],
         weight.data_ptr(), eps, out.data_ptr(),
     )  # fmt: skip
     if code:
-        raise RuntimeError(f"gated_norm refused its arguments (code {code})")
+        raise RuntimeError(f"norm_gate refused its arguments (code {code})")
     return out
 
 

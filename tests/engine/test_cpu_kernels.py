@@ -379,7 +379,7 @@ def test_gated_mlps_take_the_fused_activation(act, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_norm_equals_the_pytorch_norm(dtype, monkeypatch):
+def test_norm_gate_equals_the_pytorch_norm(dtype, monkeypatch):
     from hybrid_pd.engine.models.qwen3_5 import GatedRMSNorm
 
     gen = torch.Generator().manual_seed(4)
@@ -390,8 +390,8 @@ def test_gated_norm_equals_the_pytorch_norm(dtype, monkeypatch):
     proj = torch.randn(50, 4 * 64 + 7, generator=gen).to(dtype)  # z: a view of a projection
     z = proj[:, 7:].view(50, 4, 64)
     with torch.no_grad():
-        fused = cpu_kernels.gated_norm(x, z, norm.weight, norm.eps)
-        monkeypatch.setattr(cpu_kernels, "gated_norm", lambda *a: None)
+        fused = cpu_kernels.norm_gate(x, z, norm.weight, norm.eps)
+        monkeypatch.setattr(cpu_kernels, "norm_gate", lambda *a: None)
         plain = norm(x, z)
     assert fused is not None and fused.dtype is dtype and fused.shape == x.shape
     diff = (fused.float() - plain.float()).abs()

@@ -380,7 +380,8 @@ void act_mul_bf16(long rows, long cols, const uint16_t *gate, long gs, const uin
         act_mul(rows, cols, gate, gs, up, us, out, 0, 1);
 }
 
-/* Gated RMS norm of Qwen3.5 / Qwen3-Next's linear attention, per head vector of `dim`:
+/* Gated RMS norm of Qwen3.5 / Qwen3-Next's linear attention (norm, then gate), per head
+ * vector of `dim`:
  *
  *   a = x rsqrt(mean(x^2) + eps);  out = (w a) silu(z)
  *
@@ -389,7 +390,7 @@ void act_mul_bf16(long rows, long cols, const uint16_t *gate, long gs, const uin
  * dim], strides xt, xh and zt, zh (dim contiguous); w: [dim]; out: [T, H, dim] contiguous.
  */
 static inline __attribute__((always_inline)) void
-gated_norm(long tokens, int heads, int dim, const void *x, long xt, long xh, const void *z,
+norm_gate(long tokens, int heads, int dim, const void *x, long xt, long xh, const void *z,
            long zt, long zh, const void *w, float eps, void *out, const int bf16)
 {
     float a[MAX_DIM];
@@ -425,28 +426,28 @@ gated_norm(long tokens, int heads, int dim, const void *x, long xt, long xh, con
         }
 }
 
-int gated_norm_f32(long tokens, int heads, int dim, const float *x, long xt, long xh,
+int norm_gate_f32(long tokens, int heads, int dim, const float *x, long xt, long xh,
                    const float *z, long zt, long zh, const float *w, float eps, float *out)
 {
     if (dim > MAX_DIM)
         return -1;
-    gated_norm(tokens, heads, dim, x, xt, xh, z, zt, zh, w, eps, out, 0);
+    norm_gate(tokens, heads, dim, x, xt, xh, z, zt, zh, w, eps, out, 0);
     return 0;
 }
 
-int gated_norm_bf16(long tokens, int heads, int dim, const uint16_t *x, long xt, long xh,
+int norm_gate_bf16(long tokens, int heads, int dim, const uint16_t *x, long xt, long xh,
                     const uint16_t *z, long zt, long zh, const uint16_t *w, float eps,
                     uint16_t *out)
 {
     if (dim > MAX_DIM)
         return -1;
-    gated_norm(tokens, heads, dim, x, xt, xh, z, zt, zh, w, eps, out, 1);
+    norm_gate(tokens, heads, dim, x, xt, xh, z, zt, zh, w, eps, out, 1);
     return 0;
 }
 
-/* Mamba2's gated RMS norm: h = y silu(z), normalised over groups of `group` channels, times
- * w, in float32 (as the PyTorch form computes it whatever the model's dtype). y: [T, inner]
- * float32, rows ys apart; z: [T, inner], rows zs apart, and w: [inner], both float32 or
+/* Mamba2's gated RMS norm (gate, then norm): h = y silu(z), normalised over groups of
+ * `group` channels, times w, in float32 (as the PyTorch form computes it whatever the
+ * model's dtype). y: [T, inner] float32, rows ys apart; z: [T, inner], rows zs apart, and w: [inner], both float32 or
  * both bfloat16 (bf16 = 1); out: [T, inner] float32, contiguous. The sum of squares runs
  * in LANES partial sums.
  */

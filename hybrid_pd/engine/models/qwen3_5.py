@@ -217,7 +217,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        fused = cpu_kernels.gated_norm(x, gate, self.weight, self.eps)  # the same, one pass
+        fused = cpu_kernels.norm_gate(x, gate, self.weight, self.eps)  # the same, one pass
         if fused is not None:
             return fused
         dtype = x.dtype
