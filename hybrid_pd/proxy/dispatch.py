@@ -155,6 +155,7 @@ class Job:
         backoff = _BACKOFF_S
         attempt = 0
         while True:
+            self._check_open()
             worker = await asyncio.to_thread(d.pool.pick_prefill, tried, self.prompt_ids)
             if worker is None:
                 if not d.pool.live("prefill") and self._take_fallback():
@@ -173,19 +174,24 @@ class Job:
             future = worker.client.prefill_future(
                 call.request_id, call.prompt_ids, call.sampling, d.config.prefill_timeout_s
             )
-            leg = Leg(
-                d.pool,
-                worker,
-                call.request_id,
-                "prefill",
-                future,
-                len(call.prompt_ids),
-                d.config.control_timeout_s,
+            leg = self._add_leg(
+                Leg(
+                    d.pool,
+                    worker,
+                    call.request_id,
+                    "prefill",
+                    future,
+                    len(call.prompt_ids),
+                    d.config.control_timeout_s,
+                )
             )
-            self.legs.append(leg)
             try:
                 reply = await wait_grpc_future(future)
+            except grpc.FutureCancelledError:  # close() cancelled it
+                self._check_open()
+                raise
             except grpc.RpcError as e:
+                self._check_open()  # our own cancel (close) is no failure to retry
                 code = e.code()
                 if code == _FULL:  # alive, queue full: not an error, look again
                     leg.release()
@@ -206,6 +212,9 @@ class Job:
                     d.metrics.failure("prefill_fallback")
                     return None
                 continue
+            if self.closed:  # closed as the prefill answered: drop what it kept
+                leg.kept_after_abort(reply.kv_transfer_params.transfer_token)
+                self._check_open()
             leg.transfer_token = reply.kv_transfer_params.transfer_token  # "": none kept
             try:
                 result = prefill_result(reply)
@@ -232,6 +241,7 @@ class Job:
         attempt = 0
         deadline = time.monotonic() + d.config.queue_timeout_s
         while True:
+            self._check_open()
             worker = await self._pick_decode(deadline)
             params = self.params
             if self.prompt_logprobs is not None:  # scored already: no leg computes them again
@@ -255,6 +265,7 @@ class Job:
                 await asyncio.to_thread(d.pool.note_tokens, worker, self.prompt_ids + self.produced)
                 return
             except _Migrate as e:
+                self._check_open()  # a closed job's cancelled leg is no lost worker
                 self.migrations += 1
                 if self.migrations > d.config.max_migrations:
                     raise ProxyError(
@@ -312,15 +323,16 @@ class Job:
             timeout_s=d.config.request_timeout_s,
             output_ids=call.output_ids,
         )
-        leg = Leg(
-            d.pool,
-            worker,
-            call.request_id,
-            "decode",
-            stream,
-            abort_timeout_s=d.config.control_timeout_s,
+        leg = self._add_leg(
+            Leg(
+                d.pool,
+                worker,
+                call.request_id,
+                "decode",
+                stream,
+                abort_timeout_s=d.config.control_timeout_s,
+            )
         )
-        self.legs.append(leg)
         pump = Pump(stream, asyncio.get_running_loop())
         # The worker sends every output token from the first, the ones it resumed from
         # (the prefill's first token, or a migrated stream's) included.
@@ -328,6 +340,7 @@ class Job:
         seen_logprobs: list[TokenLogprob | None] = []
         while True:
             kind, item = await pump.get(d.config.stream_idle_timeout_s, worker.address)
+            self._check_open()
             if kind == "error":
                 raise self._leg_error(leg, worker, item, started=bool(seen))
             if kind == "end":
@@ -391,6 +404,22 @@ class Job:
         return ProxyError(
             500, f"decode failed on {worker.address}: {code.name}: {details}", kind="decode_error"
         )
+
+    def _add_leg(self, leg: Leg) -> Leg:
+        """Track `leg` so close() ends it; a job closed already ends it at once."""
+        self.legs.append(leg)
+        self._check_open()
+        return leg
+
+    def _check_open(self) -> None:
+        """Raise CancelledError once the job is closed: whoever read its events has gone,
+        and what is in flight was aborted. Nothing may retry or migrate after that (a
+        cancelled gRPC call looks like a lost worker; Python 3.11's wait_for can swallow the
+        task's own cancellation when the queue had an item at the same moment)."""
+        if self.closed:
+            for leg in self.legs:
+                leg.abort()
+            raise asyncio.CancelledError(f"request {self.rid} was closed")
 
     def _drop_kept_kv(self) -> None:
         """Abort (with its transfer token) the KV a prefill worker keeps for this request."""

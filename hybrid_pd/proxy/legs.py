@@ -58,6 +58,16 @@ class Leg:
             self.call.cancel()
         except Exception:  # already finished
             pass
+        self._send_abort()
+
+    def kept_after_abort(self, transfer_token: str) -> None:
+        """The prefill answered after it was aborted, keeping KV under `transfer_token`:
+        drop that too (the first Abort could not name it)."""
+        self.transfer_token = transfer_token
+        if transfer_token:
+            self._send_abort()
+
+    def _send_abort(self) -> None:
         client, rid, token = self.worker.client, self.rid, self.transfer_token
         timeout = self.abort_timeout_s
 
