@@ -8,10 +8,12 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -148,6 +150,11 @@ class Server:
             if Path(lib).exists():
                 full_env["LD_PRELOAD"] = lib
                 break
+        # vLLM's processes talk over ZMQ sockets in VLLM_RPC_BASE_PATH (the system's temp
+        # folder by default), which a server stopped by signal leaves behind: a folder of
+        # its own, removed by stop().
+        self.rpc_dir = Path(tempfile.mkdtemp(prefix="hybrid-pd-vllm-rpc-"))
+        full_env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
         full_env.update(env or {})
         self._args, self._env = args, full_env
         self._out = open(log, "w")  # closed in stop()
@@ -262,6 +269,7 @@ class Server:
         self._kill()
         self.client.close()
         self._out.close()
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
     def _kill(self) -> None:
         if self.proc.poll() is None:

@@ -59,10 +59,12 @@ def test_vllm_servers_with_hybrid_pd_connector():
 def test_a_server_that_fails_to_start_is_started_once_more_and_its_root_cause_named(tmp_path):
     """start_all: a server exiting while it starts gets one more start; a second exit raises
     with the first traceback of that start (vLLM's engine process prints the cause long
-    before the API server's own traceback ends the log)."""
+    before the API server's own traceback ends the log). The server's socket folder goes
+    with stop()."""
     fake = tmp_path / "python"
     fake.write_text(
         "#!/bin/sh\n"
+        'touch "$VLLM_RPC_BASE_PATH/engine-core-ipc"\n'  # what vLLM's ZMQ sockets leave
         'echo "(EngineCore pid=1) ERROR Traceback (most recent call last):"\n'
         'echo "(EngineCore pid=1) ERROR   File \\"core.py\\", line 1"\n'
         'echo "(EngineCore pid=1) ERROR OSError: [Errno 98] Address already in use"\n'
@@ -75,8 +77,10 @@ def test_a_server_that_fails_to_start_is_started_once_more_and_its_root_cause_na
     try:
         with pytest.raises(RuntimeError) as err:
             start_all([server], timeout=30)
+        assert (server.rpc_dir / "engine-core-ipc").exists()
     finally:
         server.stop()
+    assert not server.rpc_dir.exists()  # stop() removes what the server left there
     message = str(err.value)
     assert "vLLM server exited (1)" in message
     first = message.split("--- last lines ---")[0]
