@@ -5,6 +5,10 @@
 
 Sequence i's new tokens are positions num_computed .. num_computed + num_new - 1. Its cache
 already holds positions 0 .. num_computed - 1 (what its layers still need of them).
+
+A sequence may carry a `snapshot`: its recurrent states after its first k new tokens go to
+other pages as well (the prefix cache keeps them). State layers then run it in two pieces
+(`SeqInfo.pieces`): the first k tokens write the snapshot pages, the rest start from them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,32 @@ class SeqInfo:
     num_new: int
     num_computed: int
     block_ids: tuple[list[int], ...]
+    #: (k, block ids per group): the states after the first k new tokens go to these pages.
+    snapshot: tuple[int, tuple[list[int], ...]] | None = None
+    #: Where a piece reads its states from (None: `block_ids`, where it writes them).
+    read_ids: tuple[list[int], ...] | None = None
+    #: The second piece of a split sequence: it runs after the first (which it reads).
+    tail: bool = False
+
+    def pieces(self) -> list[SeqInfo]:
+        """What a state layer runs: this sequence, or, with a snapshot, its first k tokens
+        (reading its pages, writing the snapshot's) and then the rest (the other way)."""
+        if self.snapshot is None:
+            return [self]
+        k, pages = self.snapshot
+        head = SeqInfo(
+            self.request_id, self.start, k, self.num_computed, pages, read_ids=self.block_ids
+        )
+        rest = SeqInfo(
+            self.request_id,
+            self.start + k,
+            self.num_new - k,
+            self.num_computed + k,
+            self.block_ids,
+            read_ids=pages,
+            tail=True,
+        )
+        return [head, rest]
 
     @property
     def end(self) -> int:
@@ -59,14 +89,16 @@ class ForwardBatch:
 
 def make_batch(
     kv: KVPool,
-    seqs: list[tuple[str, list[int], int, tuple[list[int], ...]]],
+    seqs: list[tuple],
 ) -> ForwardBatch:
-    """Build a batch from (request id, new token ids, num_computed, block ids) tuples."""
+    """Build a batch from (request id, new token ids, num_computed, block ids[, snapshot])
+    tuples (`SeqInfo.snapshot`)."""
     ids: list[int] = []
     pos: list[int] = []
     infos = []
-    for rid, new_ids, computed, block_ids in seqs:
-        infos.append(SeqInfo(rid, len(ids), len(new_ids), computed, block_ids))
+    for rid, new_ids, computed, block_ids, *snapshot in seqs:
+        snap = snapshot[0] if snapshot else None
+        infos.append(SeqInfo(rid, len(ids), len(new_ids), computed, block_ids, snap))
         ids += new_ids
         pos += range(computed, computed + len(new_ids))
     dev = kv.device

@@ -234,6 +234,7 @@ class Engine:
                     s.request.all_ids[s.num_computed : s.num_computed + s.num_new],
                     s.num_computed,
                     s.block_ids,
+                    s.snapshot,
                 )
                 for s in sched.seqs
             ],

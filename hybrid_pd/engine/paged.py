@@ -1,7 +1,8 @@
 """Reference (pure PyTorch) access to the paged pool from state layers (Mamba2, GDN):
 read the request's state page(s), update, write back. Sequences that add one token each
-are updated together (`split_state_seqs`); the others loop over sequences. Projections stay
-batched. Attention is in `paged_attention`.
+are updated together (`split_state_seqs`); the others loop over sequences, a sequence that
+keeps a snapshot inside its chunk as two pieces (`SeqInfo.pieces`). Projections stay batched.
+Attention is in `paged_attention`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ MIN_STATE_ROWS = 1
 def read_state(layer_name: str, batch: ForwardBatch, seq: SeqInfo) -> list[torch.Tensor]:
     """The sequence's state tensors for this layer (zeros for a fresh sequence)."""
     kv = batch.kv
-    table = batch.block_table(layer_name, seq)
     group = kv.config.group_of(layer_name)
+    table = (seq.read_ids or seq.block_ids)[group.group_id]
     if group.blocks_per_state == 1:
         kv.flush_rows(table[:1])
         states = [view[table[0]] for view in kv.state_views(layer_name)]
@@ -70,10 +71,19 @@ def split_state_seqs(
     return found
 
 
+def state_rounds(seqs: list[SeqInfo]) -> list[list[SeqInfo]]:
+    """`seqs` (from `split_state_seqs`) in the rounds a layer that updates several
+    sequences at once must keep: the second pieces of split sequences after the rest."""
+    tails = [s for s in seqs if s.tail]
+    if not tails:
+        return [seqs]
+    return [[s for s in seqs if not s.tail], tails]
+
+
 def _split(batch: ForwardBatch, group_id: int) -> tuple[StateRows | None, list[SeqInfo]]:
     singles = [s for s in batch.seqs if s.num_new == 1]
     if len(singles) < MIN_STATE_ROWS:
-        return None, batch.seqs
+        return None, [p for s in batch.seqs for p in s.pieces()]
     dev = batch.input_ids.device
     fresh = [s.num_computed == 0 for s in singles]
     rows = StateRows(
@@ -82,7 +92,7 @@ def _split(batch: ForwardBatch, group_id: int) -> tuple[StateRows | None, list[S
         fresh=torch.tensor(fresh, device=dev),
         any_fresh=any(fresh),
     )
-    return rows, [s for s in batch.seqs if s.num_new != 1]
+    return rows, [p for s in batch.seqs if s.num_new != 1 for p in s.pieces()]
 
 
 def read_state_rows(layer_name: str, batch: ForwardBatch, rows: StateRows) -> list[torch.Tensor]:

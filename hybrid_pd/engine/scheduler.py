@@ -30,8 +30,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int = 4096
-    #: End a prefill chunk at the prompt's last block boundary so recurrent-state snapshots
-    #: land where later prompts can hit them (costs one extra step per prompt).
+    #: Keep a recurrent-state snapshot at the prompt's last block boundary, where later
+    #: prompts can hit it: a chunk that passes the boundary writes the state there on its
+    #: way (pages reserved for it); a chunk ends at the boundary only when the pool has no
+    #: room for them.
     align_state_snapshots: bool = True
     #: A request whose prompt KV arrives from elsewhere first takes the blocks this pool
     #: already caches for its prompt (decode-side prefix reuse); only the rest is moved.
@@ -48,6 +50,9 @@ class ScheduledSeq:
     num_computed: int
     num_new: int
     block_ids: BlockIds
+    #: (tokens into the chunk, pages per group): the states after that many tokens go to
+    #: those pages, kept as the prefix cache's snapshot of the prompt's last block boundary.
+    snapshot: tuple[int, BlockIds] | None = None
 
     @property
     def samples(self) -> bool:
@@ -184,15 +189,26 @@ class Scheduler:
         if free_blocks:
             self.kv.free(RequestId(req.request_id), keep_cached=keep_cached)
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_uncomputed, budget)
-        prompt_end = len(req.prompt_ids)
-        if self._has_state and self.config.align_state_snapshots and self.kv.enable_caching:
-            bs = self.kv.block_size
-            boundary = ((prompt_end - 1) // bs) * bs
-            if req.num_computed < boundary < req.num_computed + n:
-                n = boundary - req.num_computed
-        return n
+    def _boundary(self, req: Request, n: int) -> int:
+        """The prompt's last block boundary when a chunk of `n` tokens passes it (a state
+        snapshot is kept there), else 0."""
+        if not (self._has_state and self.config.align_state_snapshots and self.kv.enable_caching):
+            return 0
+        bs = self.kv.block_size
+        boundary = ((len(req.prompt_ids) - 1) // bs) * bs
+        return boundary if req.num_computed < boundary < req.num_computed + n else 0
+
+    def _scheduled(self, req: Request, n: int, ids: BlockIds) -> ScheduledSeq:
+        """The step for `n` tokens whose blocks are allocated: with pages reserved for the
+        snapshot at a boundary inside it, or ended at that boundary when there is no room
+        (the blocks allocated past it serve the next step)."""
+        boundary = self._boundary(req, n)
+        if not boundary:
+            return ScheduledSeq(req, req.num_computed, n, ids)
+        pages = self.kv.reserve_snapshots(RequestId(req.request_id), boundary)
+        if pages is None:
+            return ScheduledSeq(req, req.num_computed, boundary - req.num_computed, ids)
+        return ScheduledSeq(req, req.num_computed, n, ids, (boundary - req.num_computed, pages))
 
     def _fit_alone(self, req: Request, n: int, hit) -> tuple[int, BlockIds | None]:
         """Halve a chunk until its blocks fit, for a request that has the pool to itself.
@@ -228,7 +244,7 @@ class Scheduler:
                 break
             if req.request_id in out.preempted:
                 continue  # preempted earlier in this loop (`in self.running` compared fields)
-            n = self._chunk(req, budget)
+            n = min(req.num_uncomputed, budget)
             if n <= 0:
                 continue
             rid = RequestId(req.request_id)
@@ -243,9 +259,10 @@ class Scheduler:
                     out.seqs = [s for s in out.seqs if s.request is not victim]
             if ids is None:
                 continue
-            out.seqs.append(ScheduledSeq(req, req.num_computed, n, ids))
+            seq = self._scheduled(req, n, ids)
+            out.seqs.append(seq)
             scheduled.add(req.request_id)
-            budget -= n
+            budget -= seq.num_new
         while (
             not out.preempted
             and self.waiting
@@ -272,7 +289,7 @@ class Scheduler:
             if req.params.prompt_logprobs is not None:  # every prompt position is scored
                 hit = self.kv.find_prefix_hit(())
             req.num_computed = hit.num_tokens
-            n = self._chunk(req, budget)
+            n = min(req.num_uncomputed, budget)
             ids = self.kv.allocate_slots(rid, req.all_ids, n, hit)
             if ids is None and not self.running and not self.receiving:
                 n, ids = self._fit_alone(req, n, hit)
@@ -283,8 +300,9 @@ class Scheduler:
             req.status = Status.RUNNING
             req.num_cached_tokens = hit.num_tokens
             self.running.append(req)
-            out.seqs.append(ScheduledSeq(req, req.num_computed, n, ids))
-            budget -= n
+            seq = self._scheduled(req, n, ids)
+            out.seqs.append(seq)
+            budget -= seq.num_new
         for seq in out.seqs:
             out.copies += self.kv.pending_state_copies(RequestId(seq.request.request_id))
         return out
@@ -296,6 +314,8 @@ class Scheduler:
         req.num_computed = seq.num_computed + seq.num_new
         rid = RequestId(req.request_id)
         self.kv.commit_computed(rid, req.num_computed)
+        if seq.snapshot is not None:
+            self.kv.commit_snapshots(rid)
         if self._has_state and self.kv.enable_caching and self.config.align_state_snapshots:
             bs = self.kv.block_size
             if req.num_computed == ((len(req.prompt_ids) - 1) // bs) * bs > 0:

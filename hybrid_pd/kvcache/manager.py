@@ -256,6 +256,32 @@ class KVCacheManager:
         ]
         return bool(done) and all(done)
 
+    def reserve_snapshots(self, rid: RequestId, num_tokens: int) -> BlockIds | None:
+        """Per group, pages for the request's states after `num_tokens` (a block boundary
+        its next step passes inside a chunk; the step writes the states there), [] for the
+        groups without states; None, reserving nothing, unless every state group has them."""
+        if not self.enable_caching or num_tokens % self.block_size:
+            return None
+        rec = self._records[rid]
+        rec.update_hashes(self.block_size)
+        h = num_tokens // self.block_size
+        out: list[list[int]] = []
+        states = [m for m in self.managers if isinstance(m, StateManager)]
+        for m in self.managers:
+            out.append(m.reserve_snapshot(rid, rec.hashes, h) if m in states else [])
+            if m in states and not out[-1]:
+                for done in states:
+                    done.drop_reserved(rid)
+                return None
+        return tuple(out) if states else None
+
+    def commit_snapshots(self, rid: RequestId) -> None:
+        """The step wrote the reserved states: keep them as prefix-cache snapshots."""
+        rec = self._records[rid]
+        for m in self.managers:
+            if isinstance(m, StateManager):
+                m.commit_snapshot(rid, rec.hashes)
+
     def free(self, rid: RequestId, *, keep_cached: bool = True) -> None:
         """Free every block of the request (finish, abort, preemption). Unknown ids are
         ignored, so freeing twice is safe.
@@ -287,6 +313,9 @@ class KVCacheManager:
             if isinstance(m, StateManager):
                 for src, _ in m.pending_copies.values():
                     for b in src:
+                        refs[b.block_id] = refs.get(b.block_id, 0) + 1
+                for _, reserved in m.reserved.values():
+                    for b in reserved:
                         refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for bid in range(1, self.pool.num_blocks):
             block = self.pool.get_block(BlockId(bid))

@@ -199,6 +199,9 @@ class StateManager(GroupManager):
         self.span = group.blocks_per_state
         #: Pending (source blocks, destination blocks) copies, sources held by one reference.
         self.pending_copies: dict[RequestId, tuple[list[KVBlock], list[KVBlock]]] = {}
+        #: Pages a step writes a request's state into at a block boundary inside its chunk
+        #: (`reserve_snapshot`): (number of blocks, pages), cached by `commit_snapshot`.
+        self.reserved: dict[RequestId, tuple[int, list[KVBlock]]] = {}
 
     def snapshot_blocks(self, hashes: Sequence[BlockHash], num_blocks: int) -> list[KVBlock]:
         """The cached snapshot for a prefix of `num_blocks` blocks, or [] if there is none."""
@@ -292,8 +295,40 @@ class StateManager(GroupManager):
         self._set(rid, fresh)
         return True
 
+    def reserve_snapshot(self, rid: RequestId, hashes: Sequence[BlockHash], h: int) -> list[int]:
+        """Fresh pages for the request's state after `h` blocks, which its next step passes
+        inside a chunk (the step writes the state there on its way). [] and nothing changes
+        when there is nothing to keep: `h` is 0 or past the hashes, the snapshot is cached
+        already, one is reserved, or the pool has no room."""
+        if (
+            rid not in self.req_blocks
+            or h == 0
+            or h > len(hashes)
+            or rid in self.reserved
+            or self.snapshot_blocks(hashes, h)
+            or not self.pool.can_allocate(self.span)
+        ):
+            return []
+        blocks = self.pool.allocate(self.span)
+        self.reserved[rid] = (h, blocks)
+        return [int(b.block_id) for b in blocks]
+
+    def commit_snapshot(self, rid: RequestId, hashes: Sequence[BlockHash]) -> None:
+        """The step wrote the reserved pages: they become the prefix cache's snapshot."""
+        h, blocks = self.reserved.pop(rid)
+        if not self.snapshot_blocks(hashes, h):  # another request's may have landed first
+            for j, block in enumerate(blocks):
+                self.pool.cache_block(block, _shard_hash(hashes[h - 1], j), self.group_id)
+        self.pool.free(blocks)
+
+    def drop_reserved(self, rid: RequestId) -> None:
+        reserved = self.reserved.pop(rid, None)
+        if reserved is not None:
+            self.pool.free(reserved[1])
+
     def free(self, rid: RequestId, hashes: Sequence[BlockHash], num_computed: int) -> None:
         self.finish_copies(rid)
+        self.drop_reserved(rid)
         blocks = self._pop(rid)
         h = num_computed // self.block_size
         if blocks and num_computed % self.block_size == 0 and 0 < h <= len(hashes):

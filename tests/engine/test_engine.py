@@ -87,6 +87,52 @@ def test_prefix_cache_hits_state_snapshot(loaded, reference):
     assert_clean(engine)
 
 
+def test_a_chunk_keeps_the_snapshot_at_a_boundary_inside_it(loaded, reference):
+    """A prompt chunk that passes the prompt's last block boundary runs whole and writes
+    the states there to pages of their own on its way: the first token takes one step,
+    and a prompt sharing those blocks starts from that snapshot, exactly. With no room
+    for those pages the chunk ends at the boundary instead (two steps), as exact."""
+    bs = make_engine(loaded).kv.block_size
+    shared = prompts(1, 3 * bs, seed=12)[0]
+    first, follow = [*shared, 7, 8, 9], [*shared, 10, 11]
+    for room in (True, False):
+        engine = make_engine(loaded)
+        if not room:
+            engine.kv.reserve_snapshots = lambda rid, n: None
+        rid = engine.add_request(first, GREEDY)
+        steps = 1
+        while not engine.step():
+            steps += 1
+        assert steps == (1 if room else 2)
+        assert engine.requests[rid].num_computed == len(first)
+        outs = {o.request_id: o for o in engine.generate([first, follow], GREEDY)}
+        again, other = outs.values()
+        assert again.num_cached_tokens == other.num_cached_tokens == 3 * bs
+        assert again.token_ids == reference(first) and other.token_ids == reference(follow)
+        while engine.has_unfinished():
+            engine.step()
+        assert_clean(engine)
+
+
+def test_a_failed_step_frees_the_snapshot_pages_it_reserved(loaded):
+    engine = make_engine(loaded)
+    prompt = prompts(1, 3 * engine.kv.block_size + 2, seed=13)[0]
+    engine.add_request(prompt, GREEDY)
+    forward = engine.model.forward
+
+    def broken(batch):
+        assert any(s.snapshot for s in batch.seqs)  # the step holds reserved pages
+        raise RuntimeError("injected")
+
+    engine.model.forward = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    engine.model.forward = forward
+    assert engine.fail_all()
+    assert_clean(engine)
+    assert engine.kv.pool.num_cached_blocks == 0  # nothing half-written was cached
+
+
 def test_preemption_recomputes_exactly(loaded, reference):
     # A pool that cannot hold all requests at once forces preemption.
     engine = make_engine(loaded, kv_memory_bytes=2**20, enable_prefix_caching=False)
@@ -187,7 +233,7 @@ def test_held_state_rows_stay_exact_through_finishes_and_preemption(loaded, refe
     lengths = [5, 32, 12, 32, 20, 9]
     runs = {}
     for held in (None, 0):
-        engine = make_engine(loaded, kv_memory_bytes=2**20, held_state_rows_bytes=held)
+        engine = make_engine(loaded, kv_memory_bytes=3 * 2**18, held_state_rows_bytes=held)
         rids = [
             engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
             for p, n in zip(ps, lengths, strict=True)

@@ -368,9 +368,8 @@ def test_state_held_by_the_prefill_pool_reaches_the_decode_worker(loaded):
 
     source.pool.flush_rows = recording_flush
     g = torch.Generator().manual_seed(31)
-    # chunks end on block boundaries when they can (state snapshots): one token past one
-    bs = source.kv.block_size
-    prompt = torch.randint(3, 256, (bs * -(-16 // bs) + 1,), generator=g).tolist()
+    # chunks of 9, 9 and 1 (a state snapshot inside a chunk does not end it)
+    prompt = torch.randint(3, 256, (2 * 9 + 1,), generator=g).tolist()
     want = make_engine(loaded).generate([prompt], PARAMS)[0].token_ids
     kv = prefill(source, prompt)
     assert max(held_at_flush) > 0, "the last chunk's state was not held"

@@ -39,6 +39,7 @@ from hybrid_pd.engine.paged import (
     read_state,
     read_state_rows,
     split_state_seqs,
+    state_rounds,
     vec_times_rows,
     write_state,
     write_state_rows,
@@ -286,13 +287,14 @@ class Mamba2Mixer(nn.Module):
             if rows is not None:
                 t = rows.tokens
                 y[t] = self._step_rows(batch, rows, xbc[t], dt[t], a_coef)
-            for seq in rest:
-                if seq.num_new == 1:
-                    sl = slice(seq.start, seq.end)
-                    y[sl] = self._sequence(batch, seq, xbc[sl], dt[sl], a_coef)
-            several = [seq for seq in rest if seq.num_new > 1]
-            if several:
-                self._prefill(batch, several, xbc, dt, a_coef, y)
+            for part in state_rounds(rest):  # a split sequence's second piece reads its first
+                for seq in part:
+                    if seq.num_new == 1:
+                        sl = slice(seq.start, seq.end)
+                        y[sl] = self._sequence(batch, seq, xbc[sl], dt[sl], a_coef)
+                several = [seq for seq in part if seq.num_new > 1]
+                if several:
+                    self._prefill(batch, several, xbc, dt, a_coef, y)
         return self.out_proj(self.gate_and_norm(y, z).to(h.dtype))
 
     def project(self, h: torch.Tensor) -> torch.Tensor:
