@@ -135,6 +135,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("act_mul_f32", "act_mul_bf16"):
         getattr(lib, name).argtypes = [long_, long_, p, long_, p, long_, p, i]
         getattr(lib, name).restype = None
+    for name in ("gemv_f32", "gemv_bf16"):
+        getattr(lib, name).argtypes = [long_, p, p, p, p, long_, long_]
+        getattr(lib, name).restype = None
 
 
 def library() -> ctypes.CDLL | None:
@@ -493,3 +496,51 @@ def rms_norm(
         rows, dim, x.data_ptr(), row_stride, weight.data_ptr(), offset, eps, out.data_ptr()
     )
     return out
+
+
+#: Fewest weight elements a one-row linear splits over threads for.
+_GEMV_SPLIT_MIN = 1 << 18
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` for one row of x, in C; None where the kernel does not
+    apply (then use the library's GEMM). x [1, k] or [k]; weight [n, k] contiguous, float32
+    or bfloat16 (x and bias the same), on the CPU. The sums are float32 in a fixed order:
+    they agree with a GEMM to rounding, not bit for bit. With several torch threads the
+    rows are split over them. What a one-sequence decode step spends most of its time on:
+    every weight is read once, and the kernel prefetches the next rows while it sums (see
+    `gemv` in the C source)."""
+    if x.dtype is not weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if x.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if x.shape not in ((1, k), (k,)) or not weight.is_contiguous():
+        return None
+    if bias is not None and (
+        bias.dtype is not x.dtype or bias.shape != (n,) or not bias.is_contiguous()
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    bf16 = x.dtype is torch.bfloat16
+    xf = x.reshape(k).float().contiguous() if bf16 else x.reshape(k).contiguous()
+    y = x.new_empty((*x.shape[:-1], n))
+    fn = lib.gemv_bf16 if bf16 else lib.gemv_f32
+    args = (k, weight.data_ptr(), xf.data_ptr(), bias.data_ptr() if bias is not None else None)
+    out = y.data_ptr()
+    threads = min(torch.get_num_threads(), n // 64)
+    if threads < 2 or n * k < _GEMV_SPLIT_MIN:
+        fn(*args, out, 0, n)
+        return y
+    # rows in groups of four per thread (the kernel's unit)
+    bounds = [(n * i // threads) & ~3 for i in range(threads)] + [n]
+    pool = _threads_pool(threads)
+    helpers = [pool.submit(fn, *args, out, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+    fn(*args, out, bounds[0], bounds[1])
+    for f in helpers:
+        f.result()
+    return y

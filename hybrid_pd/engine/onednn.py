@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid_pd.engine import cpu_kernels
+
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -37,8 +39,18 @@ def onednn_dtype(dtype: torch.dtype) -> bool:
     return True
 
 
+def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """One row of x on the CPU: the C kernel (`cpu_kernels.gemv`), or None."""
+    if x.dim() == 2 and x.shape[0] == 1 and x.device.type == "cpu":
+        return cpu_kernels.gemv(x, weight, bias)
+    return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """`F.linear`, through oneDNN when the operands are CPU tensors it handles."""
+    """`F.linear`, through oneDNN when the operands are CPU tensors it handles (one row
+    through `cpu_kernels.gemv` where it applies)."""
+    if (y := _one_row(x, weight, bias)) is not None:
+        return y
     if (
         x.device.type == "cpu"
         and weight.dtype == x.dtype
@@ -91,6 +103,8 @@ class PackedWeights:
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None):
     """`linear(x, weight)` (no bias) through `packed`, the `pack_weight` copy of `weight`."""
+    if (y := _one_row(x, weight, None)) is not None:
+        return y
     if packed is not None and x.dtype is weight.dtype and x.device.type == "cpu" and x.numel():
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     return linear(x, weight)
@@ -105,6 +119,8 @@ class OneDnnLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if (y := _one_row(x, w, self.bias)) is not None:
+            return y
         if x.dtype is w.dtype and x.device.type == "cpu" and x.numel():
             key = (w.data_ptr(), w._version, w.dtype, w.shape)
             packed = self._packed
@@ -146,6 +162,11 @@ class FusedLinears:
         self._pack: tuple[torch.Tensor | None, torch.Tensor | None, tuple] | None = None
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if x.dim() == 2 and x.shape[0] == 1 and x.device.type == "cpu":
+            # one row: each its own C call (no second copy of the weights side by side)
+            ys = [cpu_kernels.gemv(x, m.weight, m.bias) for m in self.linears]
+            if all(y is not None for y in ys):
+                return tuple(ys)
         packed, bias = self._packed(x)
         if packed is None:
             return tuple(m(x) for m in self.linears)

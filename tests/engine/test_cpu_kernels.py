@@ -440,3 +440,81 @@ def test_rms_norm_equals_pytorchs(offset):
         assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
     assert cpu_kernels.rms_norm(wide[:, 10:74].bfloat16(), weight, 1e-6) is None
     assert cpu_kernels.rms_norm(torch.randn(4, 64, 3).transpose(1, 2), weight, 1e-6) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(96, 64), (263, 517), (4, 3)])  # tails in rows and columns
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_against_float64(dtype, n, k, bias):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(1, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    got = cpu_kernels.gemv(x, w, b)
+    assert got is not None and got.dtype is dtype and got.shape == (1, n)
+    exact = x.double() @ w.double().t() + (b.double() if bias else 0)
+    scale = (x.double().abs() @ w.double().abs().t()).max().item() + 1
+    err = (got.double() - exact).abs().max().item() / scale
+    # float32 sums: a few ulp of the sum of magnitudes; bfloat16: its one rounding at the end
+    assert err <= (1e-6 if dtype is torch.float32 else 2.0**-8)
+    assert torch.equal(cpu_kernels.gemv(x[0], w, b), got[0])  # one row as a vector
+
+
+def test_gemv_split_over_threads_is_bit_for_bit():
+    gen = torch.Generator().manual_seed(9)
+    w, x, b = torch.randn(2051, 256, generator=gen), torch.randn(1, 256), torch.randn(2051)
+    one = cpu_kernels.gemv(x, w, b)
+    torch.set_num_threads(2)
+    try:
+        two = cpu_kernels.gemv(x, w, b)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(one, two)
+
+
+def test_gemv_declines_what_it_does_not_take():
+    w, x = torch.randn(8, 16), torch.randn(1, 16)
+    assert cpu_kernels.gemv(torch.randn(2, 16), w, None) is None  # more than one row
+    assert cpu_kernels.gemv(x, w.t().contiguous().t(), None) is None  # weight not contiguous
+    assert cpu_kernels.gemv(x.bfloat16(), w, None) is None
+    assert cpu_kernels.gemv(x.double(), w.double(), None) is None
+    assert cpu_kernels.gemv(x, w, torch.randn(8).bfloat16()) is None
+    assert cpu_kernels.gemv(x, w, torch.randn(9)) is None
+
+
+def test_one_row_linears_take_the_kernel(monkeypatch):
+    """Every CPU linear of the engine (OneDnnLinear, linear, packed_linear, FusedLinears)
+    runs one row through `gemv` and more rows through the library's GEMM, equal to
+    F.linear to float32 rounding either way."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from hybrid_pd.engine import onednn
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, n) for n in (48, 16)]
+    for m in layers:
+        onednn.use_onednn_linears(m)
+    fused = onednn.FusedLinears(*layers)
+    calls = []
+    real = cpu_kernels.gemv
+
+    def counting(x, w, b=None):
+        calls.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(cpu_kernels, "gemv", counting)
+    for rows in (1, 3):
+        calls.clear()
+        x = torch.randn(rows, 32)
+        w, b = layers[0].weight, layers[0].bias
+        with torch.no_grad():
+            outs = [
+                layers[0](x),
+                onednn.linear(x, w, b),
+                onednn.packed_linear(x, w, onednn.pack_weight(w)) + b,
+                fused(x)[0],
+            ]
+        for out in outs:
+            torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        assert calls == ([1] * 5 if rows == 1 else [])

@@ -140,8 +140,9 @@ def test_fused_linears_give_each_linear_its_own_output(rows, biases):
     assert [o.shape for o in outs] == [(rows, 96), (rows, 32), (rows, 8)]
     for out, m in zip(outs, layers, strict=True):
         torch.testing.assert_close(out, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-4)
-    # the outputs are views of one GEMM's result wherever oneDNN ran it
-    if onednn_available():
+    # the outputs are views of one GEMM's result wherever oneDNN ran it (one row runs the C
+    # kernel, `cpu_kernels.gemv`, for each linear on its own)
+    if onednn_available() and rows > 1:
         assert outs[0].untyped_storage().data_ptr() == outs[2].untyped_storage().data_ptr()
 
 
