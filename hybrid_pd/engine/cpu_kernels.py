@@ -4,16 +4,18 @@ Some work runs in PyTorch only as many small operations: the state layers' recur
 (the gated delta rule of a prompt costs about 5x in its chunked PyTorch form what one pass
 over each head's state per token costs in C, where the state stays in the cache), and
 element-wise chains (act(gate) * up, the norms) that PyTorch runs as a pass and a temporary
-per operation. Those kernels live in `csrc/cpu_kernels.c`, plain C11 without PyTorch
-headers. An engine on the CPU compiles the file when it starts (`$CC` or `cc`, `-O3
+per operation. And one linear runs slower in a library than the memory allows: one input
+row (`gemv`), where a one-sequence decode step waits on memory and the GEMM leaves the
+core's prefetchers short. Those kernels live in `csrc/cpu_kernels.c`, plain C11 without
+PyTorch headers. An engine on the CPU compiles the file when it starts (`$CC` or `cc`, `-O3
 -march=native`, well under a second) into a cache folder (`HYBRID_PD_KERNEL_CACHE`, default
 `~/.cache/hybrid-pd/kernels`), named by a digest of the source, the flags, the compiler and
 the CPU, so a changed file or another machine builds its own. Processes that start
 together may both build: each writes a file of its own and renames it into place.
 
 Every kernel has a pure-PyTorch counterpart, which stays the reference (the tests compare
-the two) and the path everywhere else: tensors not on the CPU, a machine without a C
-compiler (one warning, then PyTorch), or `HYBRID_PD_CPU_KERNELS=0`. Both workers of a P/D
+the two; for `gemv` that is oneDNN's GEMM) and the path everywhere else: tensors not on the
+CPU, a machine without a C compiler (one warning, then PyTorch), or `HYBRID_PD_CPU_KERNELS=0`. Both workers of a P/D
 pair must take the same path for P/D output to equal a single engine's: they do when they
 run the same build on the same kind of machine, as the layout fingerprint already demands.
 

@@ -6,6 +6,9 @@ AVX-512 kernels (the ones vLLM's CPU build uses). A prefill step is mostly these
 this is most of the gap to vLLM there. oneDNN sums in a different order than MKL: results
 agree to float32 rounding, not bit for bit. bfloat16 takes this path only where oneDNN has
 bfloat16 kernels for the processor (`onednn_dtype`); an AVX2-only CPU keeps `F.linear` for it.
+
+One input row (a one-sequence decode step) goes to `cpu_kernels.gemv` instead, where it
+applies: that step waits on memory, and the kernel reads the weights faster.
 """
 
 from __future__ import annotations
