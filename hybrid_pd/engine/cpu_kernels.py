@@ -15,9 +15,10 @@ together may both build: each writes a file of its own and renames it into place
 
 Every kernel has a pure-PyTorch counterpart, which stays the reference (the tests compare
 the two; for `gemv` that is oneDNN's GEMM) and the path everywhere else: tensors not on the
-CPU, a machine without a C compiler (one warning, then PyTorch), or `HYBRID_PD_CPU_KERNELS=0`. Both workers of a P/D
-pair must take the same path for P/D output to equal a single engine's: they do when they
-run the same build on the same kind of machine, as the layout fingerprint already demands.
+CPU, a machine without a C compiler (one warning, then PyTorch), or
+`HYBRID_PD_CPU_KERNELS=0`. Both workers of a P/D pair must take the same path for P/D output
+to equal a single engine's: they do when they run the same build on the same kind of
+machine, as the layout fingerprint already demands.
 
 The kernels run on the calling thread, so they inherit its subnormal flush mode (see
 `threads.py`); a call split over heads runs on threads that set the same mode first.
