@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import statistics
 import subprocess
@@ -89,6 +90,10 @@ class VllmPeer:
         # vLLM's CPU build binds OpenMP threads only in its multiprocess executor (the in-process
         # one runs unbound, with stray busy threads), so the engine core keeps its own process.
         full.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        # vLLM's ZMQ sockets go to VLLM_RPC_BASE_PATH (the system's temp folder by default)
+        # and outlive a killed child: a folder of its own, removed by close()
+        self.rpc_dir = Path(tempfile.mkdtemp(prefix="hybrid-pd-vllm-rpc-"))
+        full["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
         full.update(env)
         full["PYTHONPATH"] = os.pathsep.join(p for p in (root, full.get("PYTHONPATH")) if p)
         self.log = tempfile.NamedTemporaryFile(  # closed in close()
@@ -172,6 +177,7 @@ class VllmPeer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
             self.log.close()
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
         # a run that ended well needs no log; a failed one named it in its error
         if self.proc.returncode == 0:
             Path(self.log.name).unlink(missing_ok=True)

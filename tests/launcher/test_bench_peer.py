@@ -75,7 +75,13 @@ def test_a_child_that_cannot_load_is_reported_and_gone(tmp_path, monkeypatch):
 
 def test_a_hanging_child_times_out_and_is_killed(tmp_path, monkeypatch):
     fake = tmp_path / "python"
-    fake.write_text("#!/bin/sh\nexec sleep 600\n")
+    # what a vLLM child leaves in its socket folder, and where that folder was
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$VLLM_RPC_BASE_PATH" > {tmp_path}/rpc_dir\n'
+        'touch "$VLLM_RPC_BASE_PATH/engine-core-ipc"\n'
+        "exec sleep 600\n"
+    )
     fake.chmod(0o755)
     monkeypatch.setattr(bench_peer, "LOAD_TIMEOUT_S", 1.0)
     procs = _record_children(monkeypatch, tmp_path)
@@ -84,6 +90,8 @@ def test_a_hanging_child_times_out_and_is_killed(tmp_path, monkeypatch):
         _peer(str(fake), tmp_path)
     assert procs[0].poll() is not None
     assert time.monotonic() - t0 < 60
+    rpc_dir = Path((tmp_path / "rpc_dir").read_text().strip())
+    assert rpc_dir.parent == tmp_path and not rpc_dir.exists()  # its sockets went with it
 
 
 def test_flags_say_what_is_wrong(monkeypatch):
