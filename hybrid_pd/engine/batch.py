@@ -35,10 +35,11 @@ class SeqInfo:
     #: The second piece of a split sequence: it runs after the first (which it reads).
     tail: bool = False
 
-    def pieces(self) -> list[SeqInfo]:
-        """What a state layer runs: this sequence, or, with a snapshot, its first k tokens
-        (reading its pages, writing the snapshot's) and then the rest (the other way)."""
-        if self.snapshot is None:
+    def pieces(self, group_id: int) -> list[SeqInfo]:
+        """What a layer of state group `group_id` runs: this sequence, or, with a snapshot
+        for that group, its first k tokens (reading its pages, writing the snapshot's) and
+        then the rest (the other way)."""
+        if self.snapshot is None or not self.snapshot[1][group_id]:
             return [self]
         k, pages = self.snapshot
         head = SeqInfo(

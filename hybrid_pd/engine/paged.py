@@ -83,7 +83,7 @@ def state_rounds(seqs: list[SeqInfo]) -> list[list[SeqInfo]]:
 def _split(batch: ForwardBatch, group_id: int) -> tuple[StateRows | None, list[SeqInfo]]:
     singles = [s for s in batch.seqs if s.num_new == 1]
     if len(singles) < MIN_STATE_ROWS:
-        return None, [p for s in batch.seqs for p in s.pieces()]
+        return None, [p for s in batch.seqs for p in s.pieces(group_id)]
     dev = batch.input_ids.device
     fresh = [s.num_computed == 0 for s in singles]
     rows = StateRows(
@@ -92,7 +92,7 @@ def _split(batch: ForwardBatch, group_id: int) -> tuple[StateRows | None, list[S
         fresh=torch.tensor(fresh, device=dev),
         any_fresh=any(fresh),
     )
-    return rows, [p for s in batch.seqs if s.num_new != 1 for p in s.pieces()]
+    return rows, [p for s in batch.seqs if s.num_new != 1 for p in s.pieces(group_id)]
 
 
 def read_state_rows(layer_name: str, batch: ForwardBatch, rows: StateRows) -> list[torch.Tensor]:

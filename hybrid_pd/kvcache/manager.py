@@ -258,21 +258,23 @@ class KVCacheManager:
 
     def reserve_snapshots(self, rid: RequestId, num_tokens: int) -> BlockIds | None:
         """Per group, pages for the request's states after `num_tokens` (a block boundary
-        its next step passes inside a chunk; the step writes the states there), [] for the
-        groups without states; None, reserving nothing, unless every state group has them."""
+        its next step passes inside a chunk; the step writes the states there): [] for the
+        groups without states and those whose snapshot is cached already. None, reserving
+        nothing, when a state group has no room (or there are no state groups)."""
         if not self.enable_caching or num_tokens % self.block_size:
             return None
         rec = self._records[rid]
         rec.update_hashes(self.block_size)
         h = num_tokens // self.block_size
-        out: list[list[int]] = []
         states = [m for m in self.managers if isinstance(m, StateManager)]
+        out: list[list[int]] = []
         for m in self.managers:
-            out.append(m.reserve_snapshot(rid, rec.hashes, h) if m in states else [])
-            if m in states and not out[-1]:
+            pages = m.reserve_snapshot(rid, rec.hashes, h) if m in states else []
+            if pages is None:
                 for done in states:
                     done.drop_reserved(rid)
                 return None
+            out.append(pages)
         return tuple(out) if states else None
 
     def commit_snapshots(self, rid: RequestId) -> None:

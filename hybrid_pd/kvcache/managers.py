@@ -295,27 +295,31 @@ class StateManager(GroupManager):
         self._set(rid, fresh)
         return True
 
-    def reserve_snapshot(self, rid: RequestId, hashes: Sequence[BlockHash], h: int) -> list[int]:
+    def reserve_snapshot(
+        self, rid: RequestId, hashes: Sequence[BlockHash], h: int
+    ) -> list[int] | None:
         """Fresh pages for the request's state after `h` blocks, which its next step passes
-        inside a chunk (the step writes the state there on its way). [] and nothing changes
-        when there is nothing to keep: `h` is 0 or past the hashes, the snapshot is cached
-        already, one is reserved, or the pool has no room."""
-        if (
-            rid not in self.req_blocks
-            or h == 0
-            or h > len(hashes)
-            or rid in self.reserved
-            or self.snapshot_blocks(hashes, h)
-            or not self.pool.can_allocate(self.span)
-        ):
+        inside a chunk (the step writes the state there on its way); [] when that snapshot
+        is cached already (nothing to keep); None, changing nothing, when the pool has no
+        room or there is no such snapshot to keep (`h` is 0 or past the hashes, or one is
+        reserved already)."""
+        if rid not in self.req_blocks or h == 0 or h > len(hashes) or rid in self.reserved:
+            return None
+        if self.snapshot_blocks(hashes, h):
             return []
+        if not self.pool.can_allocate(self.span):
+            return None
         blocks = self.pool.allocate(self.span)
         self.reserved[rid] = (h, blocks)
         return [int(b.block_id) for b in blocks]
 
     def commit_snapshot(self, rid: RequestId, hashes: Sequence[BlockHash]) -> None:
-        """The step wrote the reserved pages: they become the prefix cache's snapshot."""
-        h, blocks = self.reserved.pop(rid)
+        """The step wrote the reserved pages (if any): they become the prefix cache's
+        snapshot."""
+        reserved = self.reserved.pop(rid, None)
+        if reserved is None:
+            return
+        h, blocks = reserved
         if not self.snapshot_blocks(hashes, h):  # another request's may have landed first
             for j, block in enumerate(blocks):
                 self.pool.cache_block(block, _shard_hash(hashes[h - 1], j), self.group_id)

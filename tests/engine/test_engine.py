@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -109,6 +111,14 @@ def test_a_chunk_keeps_the_snapshot_at_a_boundary_inside_it(loaded, reference):
         again, other = outs.values()
         assert again.num_cached_tokens == other.num_cached_tokens == 3 * bs
         assert again.token_ids == reference(first) and other.token_ids == reference(follow)
+        # the snapshot is cached now; a prompt that computes past it again (scoring its
+        # prompt takes no prefix hit) runs its chunk whole, keeping nothing new
+        if room:
+            cached = engine.kv.pool.num_cached_blocks
+            scored = dataclasses.replace(GREEDY, prompt_logprobs=1)
+            rid = engine.add_request(first, scored)
+            assert engine.step() and engine.requests[rid].num_computed == len(first)
+            assert engine.kv.pool.num_cached_blocks >= cached
         while engine.has_unfinished():
             engine.step()
         assert_clean(engine)
