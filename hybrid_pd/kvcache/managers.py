@@ -190,8 +190,10 @@ class StateManager(GroupManager):
 
     The state is updated in place, so a page is valid for a prefix hit only as a *snapshot*
     of exactly `h * block_size` tokens. Snapshots are taken when a request finishes on a
-    block boundary and by `snapshot`. A hit never shares the snapshot page: the request gets
-    fresh pages and a pending copy (snapshot -> fresh) that the engine runs before its step.
+    block boundary, by `snapshot` (a chunk that ended on one), and in pages a step writes on
+    its way past one (`reserve_snapshot`, then `commit_snapshot`). A hit never shares the
+    snapshot page: the request gets fresh pages and a pending copy (snapshot -> fresh) that
+    the engine runs before its step.
     """
 
     def __init__(self, group: KVCacheGroup, pool: BlockPool, block_size: int) -> None:
