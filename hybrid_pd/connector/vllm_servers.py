@@ -98,6 +98,15 @@ def parse_metrics(text: str, prefixes: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+def own_rpc_dir(env: dict) -> Path:
+    """A new folder for a vLLM process's ZMQ sockets, set as VLLM_RPC_BASE_PATH in `env`.
+    By default they go to the system's temp folder, and a process stopped by signal leaves
+    them there; the caller removes the folder when the process has ended."""
+    folder = Path(tempfile.mkdtemp(prefix="hybrid-pd-vllm-rpc-"))
+    env["VLLM_RPC_BASE_PATH"] = str(folder)
+    return folder
+
+
 class Server:
     def __init__(
         self,
@@ -150,11 +159,7 @@ class Server:
             if Path(lib).exists():
                 full_env["LD_PRELOAD"] = lib
                 break
-        # vLLM's processes talk over ZMQ sockets in VLLM_RPC_BASE_PATH (the system's temp
-        # folder by default), which a server stopped by signal leaves behind: a folder of
-        # its own, removed by stop().
-        self.rpc_dir = Path(tempfile.mkdtemp(prefix="hybrid-pd-vllm-rpc-"))
-        full_env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
+        self.rpc_dir = own_rpc_dir(full_env)  # removed by stop()
         full_env.update(env or {})
         self._args, self._env = args, full_env
         self._out = open(log, "w")  # closed in stop()

@@ -189,21 +189,20 @@ class Scheduler:
         if free_blocks:
             self.kv.free(RequestId(req.request_id), keep_cached=keep_cached)
 
-    def _boundary(self, req: Request, n: int) -> int:
-        """The prompt's last block boundary when a chunk of `n` tokens passes it (a state
-        snapshot is kept there), else 0."""
+    def _last_boundary(self, req: Request) -> int:
+        """The prompt's last block boundary, where a state snapshot is kept; 0 when no
+        snapshot is kept."""
         if not (self._has_state and self.config.align_state_snapshots and self.kv.enable_caching):
             return 0
         bs = self.kv.block_size
-        boundary = ((len(req.prompt_ids) - 1) // bs) * bs
-        return boundary if req.num_computed < boundary < req.num_computed + n else 0
+        return ((len(req.prompt_ids) - 1) // bs) * bs
 
     def _scheduled(self, req: Request, n: int, ids: BlockIds) -> ScheduledSeq:
         """The step for `n` tokens whose blocks are allocated: with pages reserved for the
         snapshot at a boundary inside it, or ended at that boundary when there is no room
         (the blocks allocated past it serve the next step)."""
-        boundary = self._boundary(req, n)
-        if not boundary:
+        boundary = self._last_boundary(req)
+        if not req.num_computed < boundary < req.num_computed + n:
             return ScheduledSeq(req, req.num_computed, n, ids)
         pages = self.kv.reserve_snapshots(RequestId(req.request_id), boundary)
         if pages is None:
@@ -316,7 +315,5 @@ class Scheduler:
         self.kv.commit_computed(rid, req.num_computed)
         if seq.snapshot is not None:
             self.kv.commit_snapshots(rid)
-        if self._has_state and self.kv.enable_caching and self.config.align_state_snapshots:
-            bs = self.kv.block_size
-            if req.num_computed == ((len(req.prompt_ids) - 1) // bs) * bs > 0:
-                self.kv.snapshot_states(rid)
+        if req.num_computed == self._last_boundary(req) > 0:
+            self.kv.snapshot_states(rid)

@@ -270,7 +270,7 @@ class KVCacheManager:
         out: list[list[int]] = []
         for m in self.managers:
             pages = m.reserve_snapshot(rid, rec.hashes, h) if m in states else []
-            if pages is None:
+            if pages is None:  # no room: give back what the groups before took
                 for done in states:
                     done.drop_reserved(rid)
                 return None

@@ -74,7 +74,7 @@ class VllmPeer:
         cpus: list[int],
         env: dict[str, str],
     ) -> None:
-        from hybrid_pd.connector.vllm_servers import TCMALLOC
+        from hybrid_pd.connector.vllm_servers import TCMALLOC, own_rpc_dir
 
         root = str(Path(__file__).resolve().parents[2])  # run this checkout's module
         full = dict(os.environ)
@@ -90,10 +90,7 @@ class VllmPeer:
         # vLLM's CPU build binds OpenMP threads only in its multiprocess executor (the in-process
         # one runs unbound, with stray busy threads), so the engine core keeps its own process.
         full.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        # vLLM's ZMQ sockets go to VLLM_RPC_BASE_PATH (the system's temp folder by default)
-        # and outlive a killed child: a folder of its own, removed by close()
-        self.rpc_dir = Path(tempfile.mkdtemp(prefix="hybrid-pd-vllm-rpc-"))
-        full["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
+        self.rpc_dir = own_rpc_dir(full)  # removed by close()
         full.update(env)
         full["PYTHONPATH"] = os.pathsep.join(p for p in (root, full.get("PYTHONPATH")) if p)
         self.log = tempfile.NamedTemporaryFile(  # closed in close()

@@ -265,7 +265,6 @@ class Job:
                 await asyncio.to_thread(d.pool.note_tokens, worker, self.prompt_ids + self.produced)
                 return
             except _Migrate as e:
-                self._check_open()  # a closed job's cancelled leg is no lost worker
                 self.migrations += 1
                 if self.migrations > d.config.max_migrations:
                     raise ProxyError(

@@ -335,6 +335,36 @@ static inline __attribute__((always_inline)) float round_as(float f, int bf16)
     return bf16 ? bf16_float(float_bf16(f)) : f;
 }
 
+static inline __attribute__((always_inline)) void store_as(void *p, long i, float f, int bf16)
+{
+    if (bf16)
+        ((uint16_t *)p)[i] = float_bf16(f);
+    else
+        ((float *)p)[i] = f;
+}
+
+/* The sum of x[o + j]^2 over j < n, in LANES partial sums (the tail in the first) added in a
+ * fixed order: what every RMS norm here takes its mean of. */
+static inline __attribute__((always_inline)) float
+sum_squares(const void *x, long o, long n, const int bf16)
+{
+    float acc[LANES] = {0};
+    long j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) {
+            const float v = load_as(x, o + j + l, bf16);
+            acc[l] += v * v;
+        }
+    for (; j < n; j++) {
+        const float v = load_as(x, o + j, bf16);
+        acc[0] += v * v;
+    }
+    float sum = 0.f;
+    for (int l = 0; l < LANES; l++)
+        sum += acc[l];
+    return sum;
+}
+
 /* out = act(gate) * up over rows x cols, act SiLU (gelu = 0) or GELU's tanh form (gelu = 1);
  * gate and up rows gs and us elements apart (the halves of one projection, say); out
  * contiguous. One pass, one rounding per output. */
@@ -398,30 +428,12 @@ norm_gate(long tokens, int heads, int dim, const void *x, long xt, long xh, cons
         for (int h = 0; h < heads; h++) {
             const long xo = t * xt + h * xh, zo = t * zt + h * zh;
             const long oo = (t * heads + h) * (long)dim;
-            float acc[LANES] = {0};
-            int j = 0;
-            for (; j + LANES <= dim; j += LANES)
-                for (int l = 0; l < LANES; l++) {
-                    const float v = load_as(x, xo + j + l, bf16);
-                    acc[l] += v * v;
-                }
-            for (; j < dim; j++) {
-                const float v = load_as(x, xo + j, bf16);
-                acc[0] += v * v;
-            }
-            float sum = 0.f;
-            for (int l = 0; l < LANES; l++)
-                sum += acc[l];
-            const float r = 1.f / sqrtf(sum / (float)dim + eps);
-            for (j = 0; j < dim; j++)
+            const float r = 1.f / sqrtf(sum_squares(x, xo, dim, bf16) / (float)dim + eps);
+            for (int j = 0; j < dim; j++)
                 a[j] = round_as(load_as(x, xo + j, bf16) * r, bf16);
-            for (j = 0; j < dim; j++) {
+            for (int j = 0; j < dim; j++) {
                 const float y = round_as(load_as(w, j, bf16) * a[j], bf16);
-                const float o = y * silu(load_as(z, zo + j, bf16));
-                if (bf16)
-                    ((uint16_t *)out)[oo + j] = float_bf16(o);
-                else
-                    ((float *)out)[oo + j] = o;
+                store_as(out, oo + j, y * silu(load_as(z, zo + j, bf16)), bf16);
             }
         }
 }
@@ -462,19 +474,9 @@ gate_norm(long tokens, int inner, int group, const float *y, long ys, const void
             const long zo = t * zs + g0;
             for (int j = 0; j < group; j++)
                 h[j] = yr[j] * silu(load_as(z, zo + j, bf16));
-            float acc[LANES] = {0};
-            int j = 0;
-            for (; j + LANES <= group; j += LANES)
-                for (int l = 0; l < LANES; l++)
-                    acc[l] += h[j + l] * h[j + l];
-            for (; j < group; j++)
-                acc[0] += h[j] * h[j];
-            float sum = 0.f;
-            for (int l = 0; l < LANES; l++)
-                sum += acc[l];
-            const float r = 1.f / sqrtf(sum / (float)group + eps);
+            const float r = 1.f / sqrtf(sum_squares(h, 0, group, 0) / (float)group + eps);
             float *o = out + t * (long)inner + g0;
-            for (j = 0; j < group; j++)
+            for (int j = 0; j < group; j++)
                 o[j] = load_as(w, g0 + j, bf16) * (h[j] * r);
         }
 }
@@ -506,18 +508,8 @@ void rms_norm_f32(long rows, long dim, const float *x, long xs, const float *w, 
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * xs;
         float *o = out + r * dim;
-        float acc[LANES] = {0};
-        long j = 0;
-        for (; j + LANES <= dim; j += LANES)
-            for (int l = 0; l < LANES; l++)
-                acc[l] += xr[j + l] * xr[j + l];
-        for (; j < dim; j++)
-            acc[0] += xr[j] * xr[j];
-        float sum = 0.f;
-        for (int l = 0; l < LANES; l++)
-            sum += acc[l];
-        const float s = 1.f / sqrtf(sum / (float)dim + eps);
-        for (j = 0; j < dim; j++)
+        const float s = 1.f / sqrtf(sum_squares(xr, 0, dim, 0) / (float)dim + eps);
+        for (long j = 0; j < dim; j++)
             o[j] = xr[j] * s * (w[j] + offset);
     }
 }
@@ -570,13 +562,8 @@ gemv(long k, const void *w, const float *x, const void *bias, void *y, long r0, 
             s[2] += a2[l];
             s[3] += a3[l];
         }
-        for (int r = 0; r < 4; r++) {
-            float v = s[r] + (bias ? load_as(bias, i + r, bf16) : 0.f);
-            if (bf16)
-                ((uint16_t *)y)[i + r] = float_bf16(v);
-            else
-                ((float *)y)[i + r] = v;
-        }
+        for (int r = 0; r < 4; r++)
+            store_as(y, i + r, s[r] + (bias ? load_as(bias, i + r, bf16) : 0.f), bf16);
     }
     for (; i < r1; i++) {
         const char *row = (const char *)w + i * row_bytes;
@@ -590,11 +577,7 @@ gemv(long k, const void *w, const float *x, const void *bias, void *y, long r0, 
         float v = 0.f;
         for (int l = 0; l < LANES; l++)
             v += acc[l];
-        v += bias ? load_as(bias, i, bf16) : 0.f;
-        if (bf16)
-            ((uint16_t *)y)[i] = float_bf16(v);
-        else
-            ((float *)y)[i] = v;
+        store_as(y, i, v + (bias ? load_as(bias, i, bf16) : 0.f), bf16);
     }
 }
 
