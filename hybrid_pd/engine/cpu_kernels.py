@@ -6,7 +6,9 @@ over each head's state per token costs in C, where the state stays in the cache)
 element-wise chains (act(gate) * up, the norms) that PyTorch runs as a pass and a temporary
 per operation. And one linear runs slower in a library than the memory allows: one input
 row (`gemv`), where a one-sequence decode step waits on memory and the GEMM leaves the
-core's prefetchers short. Those kernels live in `csrc/cpu_kernels.c`, plain C11 without
+core's prefetchers short. And decode attention (`decode_attention`) reads each sequence's
+keys and values where they lie in the pool, where PyTorch would first gather them into a
+padded copy and mask it. Those kernels live in `csrc/cpu_kernels.c`, plain C11 without
 PyTorch headers. An engine on the CPU compiles the file when it starts (`$CC` or `cc`, `-O3
 -march=native`, well under a second) into a cache folder (`HYBRID_PD_KERNEL_CACHE`, default
 `~/.cache/hybrid-pd/kernels`), named by a digest of the source, the flags, the compiler and
@@ -141,6 +143,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("gemv_f32", "gemv_bf16"):
         getattr(lib, name).argtypes = [long_, p, p, p, p, long_, long_]
         getattr(lib, name).restype = None
+    for name in ("decode_attention_f32", "decode_attention_bf16"):
+        getattr(lib, name).argtypes = [i] * 5 + [p, long_, long_, p] + [long_] * 4 + [p] * 3
+        getattr(lib, name).argtypes += [ctypes.c_float, ctypes.c_float, p, p, long_, long_]
+        getattr(lib, name).restype = i
 
 
 def library() -> ctypes.CDLL | None:
@@ -547,3 +553,72 @@ def gemv(
     for f in helpers:
         f.result()
     return y
+
+
+#: Fewest key elements read (sequences x KV heads x keys x head dim) a decode attention call
+#: splits over threads for.
+_ATTENTION_SPLIT_MIN = 1 << 18
+
+
+def decode_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    read: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """One query token per sequence attending to its keys in the paged pool, in C, read
+    where they lie; None where the kernel does not apply. q [S, Hq, D]; cache the layer's
+    pool [N, 2, B, Hkv, D] (K then V of each block), both float32 or both bfloat16 on the
+    CPU, D contiguous. Sequence s reads blocks `read[s W : (s + 1) W]` (int64, W =
+    len(read) / S) as one run of W B slots and sees slots lo[s] .. hi[s] of it (int32).
+    `softcap`: scores become tanh(score / softcap) softcap; `sinks` [Hq]: a logit per query
+    head in each softmax's denominator (gpt-oss). Returns [S, Hq, D] in q's type: what
+    gathering the blocks and SDPA over the visible slots compute, summed in float32 in
+    another order. Split over torch's threads by sequence when the keys are many
+    (bit for bit what one thread computes)."""
+    if q.dtype not in (torch.float32, torch.bfloat16) or cache.dtype is not q.dtype:
+        return None
+    if q.device.type != "cpu" or cache.device.type != "cpu" or q.dim() != 3 or cache.dim() != 5:
+        return None
+    seqs, hq, d = q.shape
+    hkv = cache.shape[3]
+    if cache.shape[1] != 2 or cache.shape[4] != d or hq % hkv or q.stride(2) != 1:
+        return None
+    if cache.stride(4) != 1 or not seqs or read.numel() % seqs:
+        return None
+    for t, dtype in ((read, torch.int64), (lo, torch.int32), (hi, torch.int32)):
+        if t.dtype is not dtype or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+    if lo.shape != (seqs,) or hi.shape != (seqs,):
+        return None
+    if sinks is not None:
+        if sinks.shape != (hq,) or sinks.device.type != "cpu":
+            return None
+        sinks = sinks.float().contiguous()
+    lib = library()
+    if lib is None:
+        return None
+    width, bs = read.numel() // seqs, cache.shape[2]
+    out = q.new_empty(seqs, hq, d)
+    fn = lib.decode_attention_f32 if q.dtype is torch.float32 else lib.decode_attention_bf16
+    args = (
+        hq, hkv, d, bs, width, q.data_ptr(), q.stride(0), q.stride(1), cache.data_ptr(),
+        cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), read.data_ptr(),
+        lo.data_ptr(), hi.data_ptr(), scale, softcap or 0.0,
+        sinks.data_ptr() if sinks is not None else None, out.data_ptr(),
+    )  # fmt: skip
+    threads = min(torch.get_num_threads(), seqs)
+    if threads < 2 or seqs * hkv * width * bs * d < _ATTENTION_SPLIT_MIN:
+        codes = [fn(*args, 0, seqs)]
+    else:
+        bounds = [seqs * i // threads for i in range(threads + 1)]
+        pool = _threads_pool(threads)
+        helpers = [pool.submit(fn, *args, bounds[i], bounds[i + 1]) for i in range(1, threads)]
+        codes = [fn(*args, bounds[0], bounds[1])] + [f.result() for f in helpers]
+    if any(codes):
+        raise RuntimeError(f"decode_attention refused its arguments (codes {codes})")
+    return out

@@ -6,7 +6,10 @@ by every layer of the group. The batch splits in two:
 
     decode rows   sequences that add one token: one scatter writes all their K/V, one
                   gather reads each one's readable blocks into a padded [S, W*B, Hkv, D]
-                  tensor, one SDPA call attends all of them
+                  tensor, one SDPA call attends all of them. On the CPU a C kernel
+                  (`cpu_kernels.decode_attention`) reads the visible slots where they lie
+                  instead, in one pass: no copy, no mask (the gather and the masked padding
+                  cost more than the attention itself at 32 rows)
     the others    prefill chunks, per sequence: write the chunk's K/V, gather the run of
                   keys its queries may read, attend with a causal (+ window / chunk) mask
 
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybrid_pd.engine import cpu_kernels
 from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
 
 # Fewest one-token sequences worth the batched decode path (below it they join the loop).
@@ -56,6 +60,8 @@ class DecodeRows:
     read: torch.Tensor  # [S * W] the blocks to gather, row after row (padded with block 0)
     visible: torch.Tensor  # [S, 1, 1, W * B] bool: the gathered slots the query may see
     masked: torch.Tensor | None  # flat indices in [S * W * B] of the others (None: none)
+    lo: torch.Tensor  # [S] int32: the first visible of a row's W * B slots (a run to hi)
+    hi: torch.Tensor  # [S] int32: the last (the new token's own)
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,7 @@ def _decode_rows(seqs: list[SeqInfo], group_id, bs, window, chunk, dev, whole) -
         span = table[f : p // bs + 1]
         read += span
         read += [0] * (width - len(span))
+    lo = [_lowest(p, window, chunk) - f * bs for p, f in zip(pos, first, strict=True)]
     qpos = torch.tensor(pos, device=dev)[:, None]
     kpos = torch.tensor(first, device=dev)[:, None] * bs + torch.arange(width * bs, device=dev)
     visible = _visible(qpos, kpos, window, chunk)
@@ -162,6 +169,10 @@ def _decode_rows(seqs: list[SeqInfo], group_id, bs, window, chunk, dev, whole) -
         read=torch.tensor(read, device=dev),
         visible=visible[:, None, None, :],
         masked=masked if masked.numel() else None,
+        lo=torch.tensor(lo, dtype=torch.int32, device=dev),
+        hi=torch.tensor(
+            [p - f * bs for p, f in zip(pos, first, strict=True)], dtype=torch.int32, device=dev
+        ),
     )
 
 
@@ -199,6 +210,12 @@ def _visible(qpos, kpos, window: int | None, chunk: int | None) -> torch.Tensor:
     return allowed
 
 
+def _lowest(pos: int, window: int | None, chunk: int | None) -> int:
+    """The first key position a query at `pos` sees (`_visible`'s run)."""
+    lo = 0 if window is None else max(0, pos - window + 1)
+    return lo if chunk is None else max(lo, pos // chunk * chunk)
+
+
 def _first_key(num_computed: int, window: int | None, chunk: int | None) -> int:
     if window is not None:
         return max(0, num_computed - window + 1)
@@ -224,6 +241,9 @@ def _attend_rows(q, k, v, cache, rows: DecodeRows, scale, softcap, sinks) -> tor
     kc, vc = cache[:, 0], cache[:, 1]  # [N, B, Hkv, D] each
     kc[rows.blocks, rows.slots] = k.to(cache.dtype)
     vc[rows.blocks, rows.slots] = v.to(cache.dtype)
+    out = cpu_kernels.decode_attention(q, cache, rows.read, rows.lo, rows.hi, scale, softcap, sinks)
+    if out is not None:  # the keys read where they lie (CPU)
+        return out
     n, hq, d = q.shape
     hkv = kc.shape[2]
     keys = kc.index_select(0, rows.read).to(q.dtype)  # [S * W, B, Hkv, D]

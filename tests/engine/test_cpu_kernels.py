@@ -518,3 +518,102 @@ def test_one_row_linears_take_the_kernel(monkeypatch):
         for out in outs:
             torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
         assert calls == ([1] * 5 if rows == 1 else [])
+
+
+def _decode_case(dtype, hq, hkv, d, bs, positions, window, chunk, seed=0):
+    """A pool whose every slot a row may not see holds NaN, the rows' plan, and q/k/v."""
+    from hybrid_pd.engine.batch import SeqInfo
+    from hybrid_pd.engine.paged_attention import _decode_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    need = [p // bs + 1 for p in positions]
+    perm = (torch.randperm(sum(need) + 3, generator=gen) + 1).tolist()  # blocks out of order
+    tables, at = [], 0
+    for n in need:
+        tables.append(perm[at : at + n])
+        at += n
+    cache = torch.full((sum(need) + 4, 2, bs, hkv, d), float("nan"))
+    for table, p in zip(tables, positions, strict=True):
+        lo = 0 if window is None else max(0, p - window + 1)
+        lo = lo if chunk is None else max(lo, p // chunk * chunk)
+        for pos in range(lo, p):  # visible keys; the new token's own is written by the call
+            cache[table[pos // bs], :, pos % bs] = torch.randn(2, hkv, d, generator=gen)
+    seqs = [
+        SeqInfo(f"r{i}", i, 1, p, (table,))
+        for i, (p, table) in enumerate(zip(positions, tables, strict=True))
+    ]
+    rows = _decode_rows(seqs, 0, bs, window, chunk, "cpu", whole=True)
+    s = len(positions)
+    q, k, v = (torch.randn(s, h, d, generator=gen) for h in (hq, hkv, hkv))
+    return cache.to(dtype), rows, q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "hq, hkv, d",
+    [(8, 2, 64), (6, 2, 24), (8, 1, 16), (4, 4, 32)],  # G of 4, 3, 8 and 1; D with tails
+)
+@pytest.mark.parametrize(
+    "window, chunk, softcap, sinks",
+    [
+        (None, None, None, False),
+        (5, None, None, False),
+        (None, 8, None, False),
+        (None, None, 20.0, False),
+        (7, None, None, True),
+    ],
+)
+def test_decode_attention_equals_the_gather_and_sdpa(
+    dtype, hq, hkv, d, window, chunk, softcap, sinks, monkeypatch
+):
+    """The kernel against the batched decode path it replaces (gather, mask, SDPA or
+    explicit scores), rows of many lengths over blocks out of order, every slot a row may
+    not see holding NaN (the kernel must never read it)."""
+    from hybrid_pd.engine import paged_attention
+
+    positions = [0, 3, 17, 40, 63, 2]
+    cache, rows, q, k, v = _decode_case(dtype, hq, hkv, d, 4, positions, window, chunk)
+    sink = torch.randn(hq).to(dtype) if sinks else None
+    scale = d**-0.5
+    calls = []
+    real = cpu_kernels.decode_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "decode_attention", counting)
+    got = paged_attention._attend_rows(q, k, v, cache.clone(), rows, scale, softcap, sink)
+    assert calls == [1]
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *a, **kw: None)
+    want = paged_attention._attend_rows(q, k, v, cache.clone(), rows, scale, softcap, sink)
+    assert got.dtype is dtype and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    tol = 2e-6 if dtype is torch.float32 else 2e-2
+    assert (got.float() - want.float()).abs().max().item() <= tol * want.float().abs().max()
+
+
+def test_decode_attention_split_over_threads_is_bit_for_bit(monkeypatch):
+    cache, rows, q, _, _ = _decode_case(torch.float32, 8, 2, 64, 16, [300, 5, 77, 160], None, None)
+    cache = torch.nan_to_num(cache)
+    args = (q, cache, rows.read, rows.lo, rows.hi, 0.125)
+    one = cpu_kernels.decode_attention(*args)
+    monkeypatch.setattr(cpu_kernels, "_ATTENTION_SPLIT_MIN", 0)
+    torch.set_num_threads(2)
+    try:
+        two = cpu_kernels.decode_attention(*args)
+    finally:
+        torch.set_num_threads(1)
+    assert one is not None and torch.equal(one, two)
+
+
+def test_decode_attention_declines_what_it_does_not_take():
+    cache, rows, q, _, _ = _decode_case(torch.float32, 4, 2, 16, 4, [3, 9], None, None)
+    args = (rows.read, rows.lo, rows.hi, 0.25)
+    assert cpu_kernels.decode_attention(q, cache, *args) is not None
+    assert cpu_kernels.decode_attention(q.bfloat16(), cache, *args) is None  # mixed types
+    assert cpu_kernels.decode_attention(q.double(), cache.double(), *args) is None
+    assert cpu_kernels.decode_attention(q[:, :3], cache, *args) is None  # 3 heads over 2
+    assert cpu_kernels.decode_attention(q, cache[..., :8], *args) is None  # head dims differ
+    wrong = (rows.read, rows.lo.long(), rows.hi, 0.25)
+    assert cpu_kernels.decode_attention(q, cache, *wrong) is None
