@@ -143,6 +143,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("gemv_f32", "gemv_bf16"):
         getattr(lib, name).argtypes = [long_, p, p, p, p, long_, long_]
         getattr(lib, name).restype = None
+    lib.panel_linear_f32.argtypes = [long_] * 3 + [p, p, long_, p, p, long_, long_]
+    lib.panel_linear_f32.restype = None
     for name in ("decode_attention_f32", "decode_attention_bf16"):
         getattr(lib, name).argtypes = [i] * 5 + [p, long_, long_, p] + [long_] * 4 + [p] * 3
         getattr(lib, name).argtypes += [ctypes.c_float, ctypes.c_float, p, p, long_, long_]
@@ -622,3 +624,71 @@ def decode_attention(
     if any(codes):
         raise RuntimeError(f"decode_attention refused its arguments (codes {codes})")
     return out
+
+
+#: Output columns per panel of `pack_panels` (PANEL in the C source).
+PANEL = 32
+#: Fewest multiply-adds (rows x weight elements) a panel linear splits over threads for.
+_PANEL_SPLIT_MIN = 1 << 20
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [n, k] (float32, CPU) reordered for `panel_linear`: [ceil(n / PANEL), k,
+    PANEL], panel p holding output columns p PANEL .. p PANEL + PANEL - 1 (zeros past n),
+    or None where the kernels do not apply. The same values, as much memory (plus the
+    padding of the last panel)."""
+    if weight.dtype is not torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if library() is None:
+        return None
+    n, k = weight.shape
+    count = -(-n // PANEL)
+    padded = weight.detach().new_zeros(count * PANEL, k)
+    padded[:n] = weight.detach()
+    return padded.view(count, PANEL, k).transpose(1, 2).contiguous()
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` with the weight as `pack_panels` made it (`n` its output
+    features), in C; None where the kernel does not apply. x [..., k] float32 on the CPU;
+    bias [n] float32 or None. Each output is one float32 sum over k in order, so a row's
+    result does not depend on the other rows (a sequence's logits are the same in any
+    batch); it agrees with a library GEMM to rounding. Panels split over torch's threads
+    when the work pays for it (bit for bit what one thread computes)."""
+    if x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() < 1 or not x.numel():
+        return None
+    count, k, width = panels.shape
+    if width != PANEL or x.shape[-1] != k or not -PANEL < n - count * PANEL <= 0:
+        return None
+    if bias is not None and (
+        bias.dtype is not torch.float32 or bias.shape != (n,) or not bias.is_contiguous()
+    ):
+        return None
+    if not panels.is_contiguous() or panels.dtype is not torch.float32:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    y = x.new_empty(m, n)
+    args = (m, n, k, panels.data_ptr(), rows.data_ptr(), rows.stride(0))
+    args += (bias.data_ptr() if bias is not None else None, y.data_ptr())
+    threads = min(torch.get_num_threads(), count)
+    if threads < 2 or m * n * k < _PANEL_SPLIT_MIN:
+        lib.panel_linear_f32(*args, 0, count)
+    else:
+        bounds = [count * i // threads for i in range(threads + 1)]
+        pool = _threads_pool(threads)
+        helpers = [
+            pool.submit(lib.panel_linear_f32, *args, bounds[i], bounds[i + 1])
+            for i in range(1, threads)
+        ]
+        lib.panel_linear_f32(*args, bounds[0], bounds[1])
+        for f in helpers:
+            f.result()
+    return y.view(*x.shape[:-1], n)

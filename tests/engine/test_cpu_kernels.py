@@ -482,31 +482,36 @@ def test_gemv_declines_what_it_does_not_take():
     assert cpu_kernels.gemv(x, w, torch.randn(9)) is None
 
 
-def test_one_row_linears_take_the_kernel(monkeypatch):
-    """Every CPU linear of the engine (OneDnnLinear, linear, packed_linear, FusedLinears)
-    runs one row through `gemv` and more rows through the library's GEMM, equal to
-    F.linear to float32 rounding either way."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_linears_take_the_c_kernels(dtype, monkeypatch):
+    """Every packed CPU linear of the engine (OneDnnLinear, packed_linear, FusedLinears)
+    runs float32 through `panel_linear` at every row count; one row of anything else
+    (bfloat16, or `linear` on a weight never packed) through `gemv`, more rows through
+    oneDNN. Equal to F.linear to rounding either way."""
     import torch.nn.functional as F
     from torch import nn
 
     from hybrid_pd.engine import onednn
 
     torch.manual_seed(0)
-    layers = [nn.Linear(32, n) for n in (48, 16)]
+    layers = [nn.Linear(32, n).to(dtype) for n in (48, 16)]
     for m in layers:
         onednn.use_onednn_linears(m)
     fused = onednn.FusedLinears(*layers)
-    calls = []
-    real = cpu_kernels.gemv
+    calls: dict[str, list[int]] = {"gemv": [], "panel_linear": []}
+    for name in calls:
+        real = getattr(cpu_kernels, name)
 
-    def counting(x, w, b=None):
-        calls.append(x.shape[0])
-        return real(x, w, b)
+        def counting(x, *args, _real=real, _name=name):
+            calls[_name].append(x.shape[0])
+            return _real(x, *args)
 
-    monkeypatch.setattr(cpu_kernels, "gemv", counting)
+        monkeypatch.setattr(cpu_kernels, name, counting)
+    tol = 1e-5 if dtype is torch.float32 else 2e-2
     for rows in (1, 3):
-        calls.clear()
-        x = torch.randn(rows, 32)
+        for c in calls.values():
+            c.clear()
+        x = torch.randn(rows, 32).to(dtype)
         w, b = layers[0].weight, layers[0].bias
         with torch.no_grad():
             outs = [
@@ -515,9 +520,61 @@ def test_one_row_linears_take_the_kernel(monkeypatch):
                 onednn.packed_linear(x, w, onednn.pack_weight(w)) + b,
                 fused(x)[0],
             ]
+            want = F.linear(x.float(), w.float(), b.float())
         for out in outs:
-            torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-        assert calls == ([1] * 5 if rows == 1 else [])
+            assert out.dtype is dtype
+            torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+        if dtype is torch.float32:  # everything packed takes the panels; linear() gemv
+            assert calls == {"gemv": [1] if rows == 1 else [], "panel_linear": [rows] * 3}
+        else:
+            assert calls == {"gemv": [1] * 5 if rows == 1 else [], "panel_linear": []}
+
+
+@pytest.mark.parametrize("n, k", [(96, 64), (33, 517), (4, 3), (2048, 512)])  # panel tails
+def test_panel_linear_against_float64_and_alike_in_any_batch(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    panels = cpu_kernels.pack_panels(w)
+    assert panels is not None and panels.shape == (-(-n // cpu_kernels.PANEL), k, 32)
+    x = torch.randn(19, k, generator=gen)  # two tiles of 8 rows and a tail of 3
+    got = cpu_kernels.panel_linear(x, panels, n, b)
+    assert got is not None and got.shape == (19, n)
+    exact = x.double() @ w.double().t() + b.double()
+    scale = (x.double().abs() @ w.double().abs().t()).max().item() + 1
+    assert (got.double() - exact).abs().max().item() / scale <= 1e-6
+    # a row's result is the same alone, in any batch, at any place in a tile
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 12), slice(18, 19)):
+        assert torch.equal(cpu_kernels.panel_linear(x[rows], panels, n, b), got[rows])
+    three_d = cpu_kernels.panel_linear(x.view(1, 19, k), panels, n, None)
+    assert torch.equal(three_d[0], cpu_kernels.panel_linear(x, panels, n))
+
+
+def test_panel_linear_split_over_threads_is_bit_for_bit(monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(1000, 128, generator=gen), torch.randn(5, 128, generator=gen)
+    panels = cpu_kernels.pack_panels(w)
+    one = cpu_kernels.panel_linear(x, panels, 1000)
+    monkeypatch.setattr(cpu_kernels, "_PANEL_SPLIT_MIN", 0)
+    torch.set_num_threads(2)
+    try:
+        two = cpu_kernels.panel_linear(x, panels, 1000)
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(one, two)
+
+
+def test_panel_linear_declines_what_it_does_not_take():
+    w = torch.randn(40, 16)
+    panels = cpu_kernels.pack_panels(w)
+    x = torch.randn(2, 16)
+    assert cpu_kernels.pack_panels(w.bfloat16()) is None
+    assert cpu_kernels.panel_linear(x.bfloat16(), panels, 40) is None
+    assert cpu_kernels.panel_linear(x, panels, 65) is None  # more outputs than the panels hold
+    assert cpu_kernels.panel_linear(x, panels, 32) is None  # a whole panel fewer
+    assert cpu_kernels.panel_linear(torch.randn(2, 8), panels, 40) is None
+    assert cpu_kernels.panel_linear(x, panels, 40, torch.randn(39)) is None
+    assert cpu_kernels.panel_linear(x[:0], panels, 40) is None
 
 
 def _decode_case(dtype, hq, hkv, d, bs, positions, window, chunk, seed=0):

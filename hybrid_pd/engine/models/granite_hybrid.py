@@ -30,7 +30,7 @@ from hybrid_pd.engine.models.common import (
     copy_weight,
 )
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
-from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear
+from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear, run_packed
 from hybrid_pd.engine.paged_attention import paged_attention
 
 _LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -243,15 +243,15 @@ class SparseMoE(nn.Module):
         0.6 against 0.97 ms); the sums run in another order (float rounding apart)."""
         t, e = x.shape[0], self.n_experts
         weights = x.new_zeros(t, e).scatter_(1, top_idx, top_w)  # [T, E]
-        h = torch.ops.mkldnn._linear_pointwise(x, w_in, None, "none", [], "").view(t, e, -1)
+        h = run_packed(x, w_in, None).view(t, e, -1)
         gate, up = h.chunk(2, dim=-1)
         a = (self.act(gate) * up).mul_(weights[..., None]).view(t, -1)  # [T, E * I]
-        return torch.ops.mkldnn._linear_pointwise(a, w_out, None, "none", [], "")
+        return run_packed(a, w_out, None)
 
     def _stacked_packs(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """oneDNN packs of input_linear as [E * 2I, hidden] and output_linear as
+        """`pack_weight` copies of input_linear as [E * 2I, hidden] and output_linear as
         [hidden, E * I] (built on first use, rebuilt when a weight changes); None where
-        oneDNN does not take x."""
+        no pack takes x."""
         w_in, w_out = self.input_linear.weight, self.output_linear.weight
         if x.dtype is not w_in.dtype:
             return None, None
