@@ -550,6 +550,18 @@ def test_panel_linear_against_float64_and_alike_in_any_batch(n, k):
     assert torch.equal(three_d[0], cpu_kernels.panel_linear(x, panels, n))
 
 
+def test_panel_linear_rows_in_blocks_are_the_rows_alone():
+    """Many rows go in blocks that fit the cache (64 rows of 1,024 floats): every row, in
+    whichever block and tile it falls, equals the row computed alone."""
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(70, 1024, generator=gen), torch.randn(203, 1024, generator=gen)
+    panels = cpu_kernels.pack_panels(w)
+    got = cpu_kernels.panel_linear(x, panels, 70)
+    for r in (0, 63, 64, 130, 202):
+        assert torch.equal(cpu_kernels.panel_linear(x[r : r + 1], panels, 70), got[r : r + 1])
+    torch.testing.assert_close(got, x @ w.t(), rtol=1e-5, atol=1e-4)
+
+
 def test_panel_linear_split_over_threads_is_bit_for_bit(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(1000, 128, generator=gen), torch.randn(5, 128, generator=gen)
