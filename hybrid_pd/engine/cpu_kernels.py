@@ -654,8 +654,7 @@ def panel_linear(
     """`F.linear(x, weight, bias)` with the weight as `pack_panels` made it (`n` its output
     features), in C; None where the kernel does not apply. x [..., k] float32 on the CPU;
     bias [n] float32 or None. Each output is one float32 sum over k in order, so a row's
-    result does not depend on the other rows (a sequence's logits are the same in any
-    batch); it agrees with a library GEMM to rounding. Panels split over torch's threads
+    result does not depend on the other rows; it agrees with a library GEMM to rounding. Panels split over torch's threads
     when the work pays for it (bit for bit what one thread computes)."""
     if x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() < 1 or not x.numel():
         return None
