@@ -557,11 +557,6 @@ def gemv(
     return y
 
 
-#: Fewest key elements read (sequences x KV heads x keys x head dim) a decode attention call
-#: splits over threads for.
-_ATTENTION_SPLIT_MIN = 1 << 18
-
-
 def decode_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -580,9 +575,11 @@ def decode_attention(
     `softcap`: scores become tanh(score / softcap) softcap; `sinks` [Hq]: a logit per query
     head in each softmax's denominator (gpt-oss). Returns [S, Hq, D] in q's type: what
     gathering the blocks and SDPA over the visible slots compute, summed in float32 in
-    another order. Split over torch's threads by sequence when the keys are many
-    (bit for bit what one thread computes)."""
+    another order. One thread: where torch has several it declines, and the PyTorch path
+    splits over torch's own threads (a split over a pool of ours competed with them)."""
     if q.dtype not in (torch.float32, torch.bfloat16) or cache.dtype is not q.dtype:
+        return None
+    if torch.get_num_threads() != 1:
         return None
     if q.device.type != "cpu" or cache.device.type != "cpu" or q.dim() != 3 or cache.dim() != 5:
         return None
@@ -613,14 +610,7 @@ def decode_attention(
         lo.data_ptr(), hi.data_ptr(), scale, softcap or 0.0,
         sinks.data_ptr() if sinks is not None else None, out.data_ptr(),
     )  # fmt: skip
-    threads = min(torch.get_num_threads(), seqs)
-    if threads < 2 or seqs * hkv * width * bs * d < _ATTENTION_SPLIT_MIN:
-        codes = [fn(*args, 0, seqs)]
-    else:
-        bounds = [seqs * i // threads for i in range(threads + 1)]
-        pool = _threads_pool(threads)
-        helpers = [pool.submit(fn, *args, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-        codes = [fn(*args, bounds[0], bounds[1])] + [f.result() for f in helpers]
+    codes = [fn(*args, 0, seqs)]
     if any(codes):
         raise RuntimeError(f"decode_attention refused its arguments (codes {codes})")
     return out
@@ -628,8 +618,6 @@ def decode_attention(
 
 #: Output columns per panel of `pack_panels` (PANEL in the C source).
 PANEL = 32
-#: Fewest multiply-adds (rows x weight elements) a panel linear splits over threads for.
-_PANEL_SPLIT_MIN = 1 << 20
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
@@ -654,8 +642,8 @@ def panel_linear(
     """`F.linear(x, weight, bias)` with the weight as `pack_panels` made it (`n` its output
     features), in C; None where the kernel does not apply. x [..., k] float32 on the CPU;
     bias [n] float32 or None. Each output is one float32 sum over k in order, so a row's
-    result does not depend on the other rows; it agrees with a library GEMM to rounding. Panels split over torch's threads
-    when the work pays for it (bit for bit what one thread computes)."""
+    result does not depend on the other rows; it agrees with a library GEMM to rounding.
+    One thread (`onednn.pack_weight` packs panels only where torch has one)."""
     if x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() < 1 or not x.numel():
         return None
     count, k, width = panels.shape
@@ -675,19 +663,8 @@ def panel_linear(
         rows = rows.contiguous()
     m = rows.shape[0]
     y = x.new_empty(m, n)
-    args = (m, n, k, panels.data_ptr(), rows.data_ptr(), rows.stride(0))
-    args += (bias.data_ptr() if bias is not None else None, y.data_ptr())
-    threads = min(torch.get_num_threads(), count)
-    if threads < 2 or m * n * k < _PANEL_SPLIT_MIN:
-        lib.panel_linear_f32(*args, 0, count)
-    else:
-        bounds = [count * i // threads for i in range(threads + 1)]
-        pool = _threads_pool(threads)
-        helpers = [
-            pool.submit(lib.panel_linear_f32, *args, bounds[i], bounds[i + 1])
-            for i in range(1, threads)
-        ]
-        lib.panel_linear_f32(*args, bounds[0], bounds[1])
-        for f in helpers:
-            f.result()
+    lib.panel_linear_f32(
+        m, n, k, panels.data_ptr(), rows.data_ptr(), rows.stride(0),
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), 0, count,
+    )  # fmt: skip
     return y.view(*x.shape[:-1], n)
