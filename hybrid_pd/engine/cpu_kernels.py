@@ -6,21 +6,24 @@ over each head's state per token costs in C, where the state stays in the cache)
 element-wise chains (act(gate) * up, the norms) that PyTorch runs as a pass and a temporary
 per operation. And one linear runs slower in a library than the memory allows: one input
 row (`gemv`), where a one-sequence decode step waits on memory and the GEMM leaves the
-core's prefetchers short. And decode attention (`decode_attention`) reads each sequence's
-keys and values where they lie in the pool, where PyTorch would first gather them into a
-padded copy and mask it. Those kernels live in `csrc/cpu_kernels.c`, plain C11 without
-PyTorch headers. An engine on the CPU compiles the file when it starts (`$CC` or `cc`, `-O3
--march=native`, well under a second) into a cache folder (`HYBRID_PD_KERNEL_CACHE`, default
-`~/.cache/hybrid-pd/kernels`), named by a digest of the source, the flags, the compiler and
-the CPU, so a changed file or another machine builds its own. Processes that start
+core's prefetchers short; and a few rows (`panel_linear`, float32), where oneDNN's
+small-row kernels read the weights at 12-14 GB/s. Decode attention (`decode_attention`)
+reads each sequence's keys and values where they lie in the pool, where PyTorch would
+first gather them into a padded copy and mask it. Those kernels live in
+`csrc/cpu_kernels.c`, plain C11 without PyTorch headers. An engine on the CPU compiles the
+file when it starts (`$CC` or `cc`, `-O3 -march=native`, well under a second) into a cache
+folder (`HYBRID_PD_KERNEL_CACHE`, default `~/.cache/hybrid-pd/kernels`), named by a digest
+of the source, the flags, the compiler and the CPU, so a changed file or another machine
+builds its own. Processes that start
 together may both build: each writes a file of its own and renames it into place.
 
 Every kernel has a pure-PyTorch counterpart, which stays the reference (the tests compare
-the two; for `gemv` that is oneDNN's GEMM) and the path everywhere else: tensors not on the
-CPU, a machine without a C compiler (one warning, then PyTorch), or
-`HYBRID_PD_CPU_KERNELS=0`. Both workers of a P/D pair must take the same path for P/D output
-to equal a single engine's: they do when they run the same build on the same kind of
-machine, as the layout fingerprint already demands.
+the two; for `gemv` and `panel_linear` that is oneDNN's GEMM) and the path everywhere
+else: tensors not on the CPU, a machine without a C compiler (one warning, then PyTorch),
+or `HYBRID_PD_CPU_KERNELS=0`; `panel_linear` and `decode_attention` also only where torch
+runs one thread. Both workers of a P/D pair must take the same path for P/D output to
+equal a single engine's: they do when they run the same build on the same kind of machine
+(as the layout fingerprint already demands) with the same thread count.
 
 The kernels run on the calling thread, so they inherit its subnormal flush mode (see
 `threads.py`); a call split over heads runs on threads that set the same mode first.
@@ -610,9 +613,9 @@ def decode_attention(
         lo.data_ptr(), hi.data_ptr(), scale, softcap or 0.0,
         sinks.data_ptr() if sinks is not None else None, out.data_ptr(),
     )  # fmt: skip
-    codes = [fn(*args, 0, seqs)]
-    if any(codes):
-        raise RuntimeError(f"decode_attention refused its arguments (codes {codes})")
+    code = fn(*args, 0, seqs)
+    if code:
+        raise RuntimeError(f"decode_attention refused its arguments (code {code})")
     return out
 
 

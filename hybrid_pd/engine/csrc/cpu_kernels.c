@@ -604,15 +604,17 @@ static inline __attribute__((always_inline)) void prefetch_row(const char *row, 
 }
 
 /* Runs `...` for each block's share of the slots a .. b of a sequence's run of blocks:
- * `row` (the run's first slot, KV head 0, plus `extra` elements), `count` slots from t =
- * slot - a. The next block's share is prefetched first. */
+ * `row` (the share's first slot, KV head 0, plus `extra` elements), `count` slots from t =
+ * slot - a; for the body's prefetches, `next` (the next block's first slot plus `extra`,
+ * NULL where no slot of it is read) and `nahead` (how many of its slots are). */
 #define FOR_RUNS(extra, ...)                                                                   \
     for (int t = 0, slot = a, count = 0; slot <= b; slot += count, t += count) {               \
         const int k = slot / bs, first = slot % bs;                                            \
         count = ((k + 1) * bs - 1 < b ? (k + 1) * bs - 1 : b) - slot + 1;                      \
         const char *row = (const char *)cache + (blocks[k] * cn + first * cb + (extra)) * es;  \
-        const int ahead = b - (k + 1) * bs + 1; /* slots to read in the next block */          \
-        const char *next = ahead > 0 ? (const char *)cache + (blocks[k + 1] * cn + (extra)) * es : NULL; \
+        const int ahead = b - (k + 1) * bs + 1;                                                \
+        const char *next =                                                                     \
+            ahead > 0 ? (const char *)cache + (blocks[k + 1] * cn + (extra)) * es : NULL;      \
         const int nahead = ahead < bs ? ahead : bs;                                            \
         __VA_ARGS__                                                                            \
     }
@@ -653,7 +655,8 @@ static inline __attribute__((always_inline)) void
 score4(const float *q, const int d, const char *k, float scale, float softcap, float *p,
        long stride, const int bf16)
 {
-    float a0[SCORE_LANES] = {0}, a1[SCORE_LANES] = {0}, a2[SCORE_LANES] = {0}, a3[SCORE_LANES] = {0};
+    float a0[SCORE_LANES] = {0}, a1[SCORE_LANES] = {0};
+    float a2[SCORE_LANES] = {0}, a3[SCORE_LANES] = {0};
     int j = 0;
     for (; j + SCORE_LANES <= d; j += SCORE_LANES)
         for (int l = 0; l < SCORE_LANES; l++) {
@@ -732,9 +735,10 @@ values4(float *o, const int d, const char *v, long stride, int count, const floa
  *
  * A sequence's keys are read once, slot after slot with every KV head of the slot (the
  * pool's rows in order), the row one block ahead prefetched: the step waits on memory, and
- * the keys of a batch do not stay in the cache from one layer to the next. Scores in LANES
- * partial sums over D (added in halves), the softmax with one max and `exp_vec`, then the
- * values, read the same way. */
+ * the keys of a batch do not stay in the cache from one layer to the next. Scores in
+ * SCORE_LANES partial sums over D (added in halves), four query heads per key read; the
+ * softmax with one max and `exp_vec`; then the values, read the same way, the output sums
+ * of four query heads in registers over a block's slots (`values4`). */
 static inline __attribute__((always_inline)) void
 decode_attention(int hq, int hkv, const int d, int bs, int width, const void *q, long qs,
                  long qh, const void *cache, long cn, long ckv, long cb, long ch,
