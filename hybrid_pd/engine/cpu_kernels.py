@@ -146,11 +146,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     for name in ("gemv_f32", "gemv_bf16"):
         getattr(lib, name).argtypes = [long_, p, p, p, p, long_, long_]
         getattr(lib, name).restype = None
-    lib.panel_linear_f32.argtypes = [long_] * 3 + [p, p, long_, p, p, long_, long_]
+    lib.panel_linear_f32.argtypes = [long_] * 3 + [p, p, long_, p, p]
     lib.panel_linear_f32.restype = None
     for name in ("decode_attention_f32", "decode_attention_bf16"):
         getattr(lib, name).argtypes = [i] * 5 + [p, long_, long_, p] + [long_] * 4 + [p] * 3
-        getattr(lib, name).argtypes += [ctypes.c_float, ctypes.c_float, p, p, long_, long_]
+        getattr(lib, name).argtypes += [ctypes.c_float, ctypes.c_float, p, p, long_]
         getattr(lib, name).restype = i
 
 
@@ -607,13 +607,12 @@ def decode_attention(
     width, bs = read.numel() // seqs, cache.shape[2]
     out = q.new_empty(seqs, hq, d)
     fn = lib.decode_attention_f32 if q.dtype is torch.float32 else lib.decode_attention_bf16
-    args = (
+    code = fn(
         hq, hkv, d, bs, width, q.data_ptr(), q.stride(0), q.stride(1), cache.data_ptr(),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), read.data_ptr(),
         lo.data_ptr(), hi.data_ptr(), scale, softcap or 0.0,
-        sinks.data_ptr() if sinks is not None else None, out.data_ptr(),
+        sinks.data_ptr() if sinks is not None else None, out.data_ptr(), seqs,
     )  # fmt: skip
-    code = fn(*args, 0, seqs)
     if code:
         raise RuntimeError(f"decode_attention refused its arguments (code {code})")
     return out
@@ -668,6 +667,6 @@ def panel_linear(
     y = x.new_empty(m, n)
     lib.panel_linear_f32(
         m, n, k, panels.data_ptr(), rows.data_ptr(), rows.stride(0),
-        bias.data_ptr() if bias is not None else None, y.data_ptr(), 0, count,
+        bias.data_ptr() if bias is not None else None, y.data_ptr(),
     )  # fmt: skip
     return y.view(*x.shape[:-1], n)

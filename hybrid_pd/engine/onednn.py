@@ -146,19 +146,22 @@ def run_packed(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed):
-    """`linear(x, weight)` (no bias) through `packed`, the `pack_weight` copy of `weight`."""
-    if isinstance(packed, Panels) and (y := run_packed(x, packed, None)) is not None:
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`linear(x, weight, bias)` through `packed`, the `pack_weight` copy of `weight`:
+    panels for every row count, a oneDNN pack for two or more rows (one row: `gemv`)."""
+    if isinstance(packed, Panels) and (y := run_packed(x, packed, bias)) is not None:
         return y
-    if (y := _one_row(x, weight, None)) is not None:
+    if (y := _one_row(x, weight, bias)) is not None:
         return y
-    if (y := run_packed(x, packed, None)) is not None:
+    if (y := run_packed(x, packed, bias)) is not None:
         return y
-    return linear(x, weight)
+    return linear(x, weight, bias)
 
 
 class OneDnnLinear(nn.Linear):
-    """An `nn.Linear` whose forward goes through `linear`, with its weight packed for oneDNN
+    """An `nn.Linear` whose forward goes through `packed_linear`, with its weight packed
     (`pack_weight`, kept beside the parameter, rebuilt when the parameter changes); same
     parameters and names."""
 
@@ -173,10 +176,7 @@ class OneDnnLinear(nn.Linear):
                 got = pack_weight(w)
                 packed = self._packed = None if got is None else (got, key)
             if packed is not None:
-                one_row = x.dim() == 2 and x.shape[0] == 1
-                if not one_row or isinstance(packed[0], Panels):
-                    if (y := run_packed(x, packed[0], self.bias)) is not None:
-                        return y
+                return packed_linear(x, w, packed[0], self.bias)
         return linear(x, w, self.bias)
 
 

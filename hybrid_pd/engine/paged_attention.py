@@ -151,17 +151,19 @@ def _plan(batch: ForwardBatch, group_id: int, window, chunk) -> AttentionPlan:
 def _decode_rows(seqs: list[SeqInfo], group_id, bs, window, chunk, dev, whole) -> DecodeRows:
     pos = [s.num_computed for s in seqs]
     tables = [s.block_ids[group_id] for s in seqs]
-    first = [_first_key(p, window, chunk) // bs for p in pos]
+    low = [_first_key(p, window, chunk) for p in pos]
+    first = [k // bs for k in low]
     width = max(p // bs - f + 1 for p, f in zip(pos, first, strict=True))
     read: list[int] = []
     for table, f, p in zip(tables, first, pos, strict=True):
         span = table[f : p // bs + 1]
         read += span
         read += [0] * (width - len(span))
-    lo = [_lowest(p, window, chunk) - f * bs for p, f in zip(pos, first, strict=True)]
-    qpos = torch.tensor(pos, device=dev)[:, None]
-    kpos = torch.tensor(first, device=dev)[:, None] * bs + torch.arange(width * bs, device=dev)
-    visible = _visible(qpos, kpos, window, chunk)
+    # a row sees one run of its gathered slots: from its first key to its own
+    lo = torch.tensor([k - f * bs for k, f in zip(low, first, strict=True)], device=dev)
+    hi = torch.tensor([p - f * bs for p, f in zip(pos, first, strict=True)], device=dev)
+    slot = torch.arange(width * bs, device=dev)
+    visible = (slot >= lo[:, None]) & (slot <= hi[:, None])
     masked = (~visible).flatten().nonzero().flatten()
     return DecodeRows(
         tokens=None if whole else torch.tensor([s.start for s in seqs], device=dev),
@@ -170,10 +172,8 @@ def _decode_rows(seqs: list[SeqInfo], group_id, bs, window, chunk, dev, whole) -
         read=torch.tensor(read, device=dev),
         visible=visible[:, None, None, :],
         masked=masked if masked.numel() else None,
-        lo=torch.tensor(lo, dtype=torch.int32, device=dev),
-        hi=torch.tensor(
-            [p - f * bs for p, f in zip(pos, first, strict=True)], dtype=torch.int32, device=dev
-        ),
+        lo=lo.int(),
+        hi=hi.int(),
     )
 
 
@@ -211,18 +211,10 @@ def _visible(qpos, kpos, window: int | None, chunk: int | None) -> torch.Tensor:
     return allowed
 
 
-def _lowest(pos: int, window: int | None, chunk: int | None) -> int:
-    """The first key position a query at `pos` sees (`_visible`'s run)."""
+def _first_key(pos: int, window: int | None, chunk: int | None) -> int:
+    """The first key position a query at `pos` sees: the run `_visible` allows ends at `pos`."""
     lo = 0 if window is None else max(0, pos - window + 1)
     return lo if chunk is None else max(lo, pos // chunk * chunk)
-
-
-def _first_key(num_computed: int, window: int | None, chunk: int | None) -> int:
-    if window is not None:
-        return max(0, num_computed - window + 1)
-    if chunk is not None:
-        return (num_computed // chunk) * chunk
-    return 0
 
 
 def _probs(scores, visible, softcap, sink) -> torch.Tensor:

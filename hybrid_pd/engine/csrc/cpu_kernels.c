@@ -731,7 +731,7 @@ values4(float *o, const int d, const char *v, long stride, int count, const floa
  * softcap > 0: scores become tanh(score / softcap) softcap. sinks (or NULL): a float32
  * logit per query head that joins the softmax's denominator with no value. out: [S, Hq, D]
  * contiguous, in q's type. q, the pool and out are all float32 or all bfloat16; the sums are
- * float32. Sequences s0 .. s1 - 1; `scratch`: Hq (D + W bs) floats.
+ * float32. `scratch`: Hq (D + W bs) floats.
  *
  * A sequence's keys are read once, slot after slot with every KV head of the slot (the
  * pool's rows in order), the row one block ahead prefetched: the step waits on memory, and
@@ -743,13 +743,13 @@ static inline __attribute__((always_inline)) void
 decode_attention(int hq, int hkv, const int d, int bs, int width, const void *q, long qs,
                  long qh, const void *cache, long cn, long ckv, long cb, long ch,
                  const long *read, const int *lo, const int *hi, float scale, float softcap,
-                 const float *sinks, void *out, long s0, long s1, float *scratch, const int bf16)
+                 const float *sinks, void *out, long seqs, float *scratch, const int bf16)
 {
     const int g = hq / hkv;
     const long es = bf16 ? 2 : 4, keys = (long)width * bs;
     const long span = ((long)(hkv - 1) * ch + d) * es;
     float *qv = scratch, *p = scratch + (long)hq * d;
-    for (long s = s0; s < s1; s++) {
+    for (long s = 0; s < seqs; s++) {
         const long *blocks = read + s * width;
         const int a = lo[s], b = hi[s], n = b - a + 1;
         for (int i = 0; i < hq; i++)
@@ -811,7 +811,7 @@ decode_attention(int hq, int hkv, const int d, int bs, int width, const void *q,
     int name(int hq, int hkv, int d, int bs, int width, const type *q, long qs, long qh,      \
              const type *cache, long cn, long ckv, long cb, long ch, const long *read,         \
              const int *lo, const int *hi, float scale, float softcap, const float *sinks,     \
-             type *out, long s0, long s1)                                                     \
+             type *out, long seqs)                                                            \
     {                                                                                         \
         if (hkv <= 0 || hq % hkv || d <= 0 || bs <= 0 || width <= 0)                           \
             return 1;                                                                         \
@@ -819,7 +819,7 @@ decode_attention(int hq, int hkv, const int d, int bs, int width, const void *q,
         if (!scratch)                                                                         \
             return 2;                                                                         \
         decode_attention(hq, hkv, d, bs, width, q, qs, qh, cache, cn, ckv, cb, ch, read, lo,  \
-                         hi, scale, softcap, sinks, out, s0, s1, scratch, bf16);              \
+                         hi, scale, softcap, sinks, out, seqs, scratch, bf16);                \
         free(scratch);                                                                        \
         return 0;                                                                             \
     }
@@ -864,7 +864,7 @@ panel_tile(const int rows, long k, const float *w, const float *x, long xs, cons
 
 /* y = x W^T + bias for m rows of x (xs elements apart, k contiguous) into y [m, n]
  * (contiguous), W [n, k] packed as panels [ceil(n / PANEL), k, PANEL] (panel p holds
- * columns p PANEL .. p PANEL + PANEL - 1, zero past n); panels p0 .. p1 - 1.
+ * columns p PANEL .. p PANEL + PANEL - 1, zero past n).
  *
  * A panel's weights are read in order, once per TILE_ROWS rows of x (from the cache after
  * the first), and every sum stays in a register until it is stored: no sums across vector
@@ -873,13 +873,14 @@ panel_tile(const int rows, long k, const float *w, const float *x, long xs, cons
  * here); for many rows it is bound by the multiply-adds, as a library's is, and the rows
  * go in blocks that stay in the cache while the panels pass. */
 void panel_linear_f32(long m, long n, long k, const float *panels, const float *x, long xs,
-                      const float *bias, float *y, long p0, long p1)
+                      const float *bias, float *y)
 {
+    const long count = (n + PANEL - 1) / PANEL;
     long block = ROW_BLOCK_BYTES / (long)sizeof(float) / (k > 0 ? k : 1) / TILE_ROWS * TILE_ROWS;
     block = block < TILE_ROWS ? TILE_ROWS : block;
     for (long b0 = 0; b0 < m; b0 += block) {
         const long b1 = b0 + block < m ? b0 + block : m;
-        for (long p = p0; p < p1; p++) {
+        for (long p = 0; p < count; p++) {
             const float *w = panels + p * k * PANEL;
             const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
             const float *b = bias ? bias + p * PANEL : NULL;
