@@ -20,13 +20,18 @@ together may both build: each writes a file of its own and renames it into place
 Every kernel has a pure-PyTorch counterpart, which stays the reference (the tests compare
 the two; for `gemv` and `panel_linear` that is oneDNN's GEMM) and the path everywhere
 else: tensors not on the CPU, a machine without a C compiler (one warning, then PyTorch),
-or `HYBRID_PD_CPU_KERNELS=0`; `panel_linear` and `decode_attention` also only where torch
-runs one thread. Both workers of a P/D pair must take the same path for P/D output to
-equal a single engine's: they do when they run the same build on the same kind of machine
-(as the layout fingerprint already demands) with the same thread count.
+or `HYBRID_PD_CPU_KERNELS=0`; `panel_linear` and `decode_attention` also only where the
+kernels run as many threads as torch (`threads_match`). Both workers of a P/D pair must
+take the same path for P/D output to equal a single engine's: they do when they run the
+same build on the same kind of machine (as the layout fingerprint already demands).
 
-The kernels run on the calling thread, so they inherit its subnormal flush mode (see
-`threads.py`); a call split over heads runs on threads that set the same mode first.
+Threads: where torch's intra-op threads are OpenMP's (`torch_openmp`), the library is built
+with OpenMP and shares torch's runtime (the loader binds it to the libgomp torch loaded):
+a kernel splits its work over torch's own threads, which spin between torch's operations
+and carry the engine's subnormal flush mode (see `threads.py`), instead of competing with
+them. Each output is computed by one thread in the same order whatever the count, so the
+results do not depend on it. `HYBRID_PD_KERNEL_OPENMP=0` builds without OpenMP (one
+thread).
 """
 
 from __future__ import annotations
@@ -38,9 +43,9 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -56,8 +61,8 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _why_not = ""
-_pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+#: The library runs its OpenMP splits on torch's own runtime (see `library`).
+_shared_openmp = False
 
 
 def enabled_by_env() -> bool:
@@ -83,16 +88,39 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+def torch_openmp() -> bool:
+    """Whether torch's intra-op threads are OpenMP's (its CPU builds for Linux): then the
+    kernels are built with OpenMP and split over those threads (`kernel_threads`)."""
+    if not enabled_by_env() or os.environ.get("HYBRID_PD_KERNEL_OPENMP", "1") == "0":
+        return False
+    return "OpenMP" in torch.__config__.parallel_info() and sys.platform.startswith("linux")
+
+
+def _flags() -> tuple[str, ...]:
+    return FLAGS + (("-fopenmp",) if torch_openmp() else ())
+
+
+def _openmp_runtimes() -> set[str]:
+    """The files of the OpenMP runtimes this process has loaded (Linux)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    names = ("libgomp", "libiomp", "libomp")
+    return {ln.split()[-1] for ln in maps.splitlines() if any(n in ln for n in names)}
+
+
 def _build() -> Path:
     """The shared library for this source, CPU and compiler, built if not cached."""
     cc = _compiler()
     if cc is None:
         raise OSError("no C compiler (cc, gcc or $CC) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    flags = _flags()
     key = hashlib.sha256(
         b"\0".join(
             s.encode()
-            for s in (SOURCE.read_text(), " ".join(FLAGS), version.stdout, _cpu_identity())
+            for s in (SOURCE.read_text(), " ".join(flags), version.stdout, _cpu_identity())
         )
     ).hexdigest()[:24]
     folder = _cache_dir()
@@ -104,7 +132,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            [cc, *flags, "-o", tmp, str(SOURCE), "-lm"],
             capture_output=True,
             text=True,
             check=False,
@@ -121,7 +149,7 @@ def _build() -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     i, p, long_ = ctypes.c_int, ctypes.c_void_p, ctypes.c_long
-    lib.gdn_recurrent.argtypes = [i] * 7 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, p]
+    lib.gdn_recurrent.argtypes = [i] * 7 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, p, i]
     lib.gdn_recurrent.restype = i
     lib.gdn_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, long_, p]
     lib.gdn_step.restype = i
@@ -129,7 +157,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ssd_step.argtypes += [long_, long_, p]
     lib.ssd_step.restype = i
     lib.ssd_scan.argtypes = [i, p, *[i] * 6, p, p, *[long_] * 3, p, long_, long_, p, p, p]
-    lib.ssd_scan.argtypes += [long_, long_, p]
+    lib.ssd_scan.argtypes += [long_, long_, p, i]
     lib.ssd_scan.restype = i
     for name in ("norm_gate_f32", "norm_gate_bf16"):
         getattr(lib, name).argtypes = [long_, i, i, p, long_, long_, p, long_, long_, p]
@@ -144,13 +172,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [long_, long_, p, long_, p, long_, p, i]
         getattr(lib, name).restype = None
     for name in ("gemv_f32", "gemv_bf16"):
-        getattr(lib, name).argtypes = [long_, p, p, p, p, long_, long_]
+        getattr(lib, name).argtypes = [long_, p, p, p, p, long_, i]
         getattr(lib, name).restype = None
-    lib.panel_linear_f32.argtypes = [long_] * 3 + [p, p, long_, p, p]
+    lib.panel_linear_f32.argtypes = [long_] * 3 + [p, p, long_, p, p, i]
     lib.panel_linear_f32.restype = None
     for name in ("decode_attention_f32", "decode_attention_bf16"):
         getattr(lib, name).argtypes = [i] * 5 + [p, long_, long_, p] + [long_] * 4 + [p] * 3
-        getattr(lib, name).argtypes += [ctypes.c_float, ctypes.c_float, p, p, long_]
+        getattr(lib, name).argtypes += [ctypes.c_float, ctypes.c_float, p, p, long_, i]
         getattr(lib, name).restype = i
 
 
@@ -167,10 +195,12 @@ def library() -> ctypes.CDLL | None:
         else:
             try:
                 path = _build()
+                before = _openmp_runtimes()
                 lib = ctypes.CDLL(str(path))
                 _declare(lib)
                 _lib = lib
-                logger.info("CPU kernels: %s", path)
+                _check_openmp(before)
+                logger.info("CPU kernels: %s (OpenMP: %s)", path, _shared_openmp)
             # AttributeError: a library without a function this module declares (the source
             # changed under a running install)
             except (OSError, AttributeError, subprocess.SubprocessError) as e:
@@ -178,6 +208,35 @@ def library() -> ctypes.CDLL | None:
                 logger.warning("CPU kernels unavailable, using the PyTorch path: %s", e)
         _tried = True
     return _lib
+
+
+def _check_openmp(before: set[str]) -> None:
+    """Split over threads only where the library found torch's OpenMP runtime already
+    loaded (the loader then binds the library to it): a second runtime would start a
+    second set of threads competing with torch's."""
+    global _shared_openmp
+    after = _openmp_runtimes()
+    _shared_openmp = torch_openmp() and bool(before) and after == before
+    if torch_openmp() and not _shared_openmp:
+        logger.warning(
+            "the CPU kernels did not share torch's OpenMP runtime (%s loaded); they run "
+            "on one thread",  # and with several torch threads `threads_match` is False
+            sorted(after - before) or "none",
+        )
+
+
+def kernel_threads() -> int:
+    """How many threads the kernels that split (`gemv`, `panel_linear`,
+    `decode_attention`) use: torch's intra-op count where they share its OpenMP threads
+    (`library`), else 1."""
+    return torch.get_num_threads() if library() is not None and _shared_openmp else 1
+
+
+def threads_match() -> bool:
+    """Whether a split kernel runs on as many threads as torch's operations: always with
+    one torch thread or a shared runtime. Where not, `panel_linear` and `decode_attention`
+    are not used (one thread beside torch's idle ones lost to oneDNN and SDPA)."""
+    return kernel_threads() == torch.get_num_threads()
 
 
 def status(build: bool = True) -> str:
@@ -188,33 +247,10 @@ def status(build: bool = True) -> str:
     return "on" if library() is not None else f"off ({_why_not})"
 
 
-def _flushing_thread() -> None:
-    torch.set_flush_denormal(True)
-
-
-def _threads_pool(n: int) -> ThreadPoolExecutor:
-    """A pool of n - 1 helper threads (the caller is the n-th), flushing subnormals."""
-    global _pool, _pool_size
-    with _lock:
-        if _pool is None or _pool_size != n:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
-            _pool = ThreadPoolExecutor(n - 1, "cpu-kernel", initializer=_flushing_thread)
-            _pool_size = n
-        return _pool
-
-
-def _over_heads(call, heads: int, work: int) -> list[int]:
-    """`call(h0, h1)` for all heads: on this thread alone, or split over torch's thread
-    count when the work (state elements times tokens) pays for it. Returns the codes."""
-    threads = min(torch.get_num_threads(), heads)
-    if threads < 2 or work < _SPLIT_MIN_WORK:
-        return [call(0, heads)]
-    bounds = [heads * i // threads for i in range(threads + 1)]
-    pool = _threads_pool(threads)
-    # ctypes lets go of the interpreter lock during a call: the heads run side by side
-    helpers = [pool.submit(call, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-    return [call(bounds[0], bounds[1])] + [f.result() for f in helpers]
+def _head_threads(heads: int, work: int) -> int:
+    """Threads for a call over `heads` state heads: torch's (`kernel_threads`) when the
+    work (state elements times tokens) pays for a split, else 1."""
+    return min(kernel_threads(), heads) if work >= _SPLIT_MIN_WORK else 1
 
 
 def _f32(t: torch.Tensor) -> bool:
@@ -247,16 +283,14 @@ def gdn_recurrent(
         return None
     out = q.new_empty(n, hv, dv)
 
-    def run(h0: int, h1: int) -> int:
-        return lib.gdn_recurrent(
-            n, hk, hv, dk, dv, h0, h1,
-            q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(),
-            g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), out.data_ptr(),
-        )  # fmt: skip
-
-    codes = _over_heads(run, hv, n * dk * dv * hv)
-    if any(codes):
-        raise RuntimeError(f"gdn_recurrent refused its arguments (codes {codes})")
+    code = lib.gdn_recurrent(
+        n, hk, hv, dk, dv, 0, hv,
+        q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(),
+        g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), out.data_ptr(),
+        _head_threads(hv, n * dk * dv * hv),
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"gdn_recurrent refused its arguments (code {code})")
     return out
 
 
@@ -375,16 +409,14 @@ def ssd_scan(
     y = x.new_empty(total, heads, hd)
     lens = (ctypes.c_int * seqs)(*lengths)
 
-    def run(h0: int, h1: int) -> int:
-        return lib.ssd_scan(
-            seqs, lens, heads, hd, ns, groups, h0, h1,
-            state.data_ptr(), x.data_ptr(), *x.stride(), dt.data_ptr(), *dt.stride(),
-            a_coef.data_ptr(), b.data_ptr(), c.data_ptr(), *b.stride()[:2], y.data_ptr(),
-        )  # fmt: skip
-
-    codes = _over_heads(run, heads, total * heads * hd * ns)
-    if any(codes):
-        raise RuntimeError(f"ssd_scan refused its arguments (codes {codes})")
+    code = lib.ssd_scan(
+        seqs, lens, heads, hd, ns, groups, 0, heads,
+        state.data_ptr(), x.data_ptr(), *x.stride(), dt.data_ptr(), *dt.stride(),
+        a_coef.data_ptr(), b.data_ptr(), c.data_ptr(), *b.stride()[:2], y.data_ptr(),
+        _head_threads(heads, total * heads * hd * ns),
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"ssd_scan refused its arguments (code {code})")
     return y
 
 
@@ -544,19 +576,11 @@ def gemv(
     xf = x.reshape(k).float().contiguous() if bf16 else x.reshape(k).contiguous()
     y = x.new_empty((*x.shape[:-1], n))
     fn = lib.gemv_bf16 if bf16 else lib.gemv_f32
-    args = (k, weight.data_ptr(), xf.data_ptr(), bias.data_ptr() if bias is not None else None)
-    out = y.data_ptr()
-    threads = min(torch.get_num_threads(), n // 64)
-    if threads < 2 or n * k < _GEMV_SPLIT_MIN:
-        fn(*args, out, 0, n)
-        return y
-    # rows in groups of four per thread (the kernel's unit)
-    bounds = [(n * i // threads) & ~3 for i in range(threads)] + [n]
-    pool = _threads_pool(threads)
-    helpers = [pool.submit(fn, *args, out, bounds[i], bounds[i + 1]) for i in range(1, threads)]
-    fn(*args, out, bounds[0], bounds[1])
-    for f in helpers:
-        f.result()
+    threads = min(kernel_threads(), n // 64)
+    if n * k < _GEMV_SPLIT_MIN:
+        threads = 1
+    bias_ptr = bias.data_ptr() if bias is not None else None
+    fn(k, weight.data_ptr(), xf.data_ptr(), bias_ptr, y.data_ptr(), n, max(1, threads))
     return y
 
 
@@ -578,11 +602,11 @@ def decode_attention(
     `softcap`: scores become tanh(score / softcap) softcap; `sinks` [Hq]: a logit per query
     head in each softmax's denominator (gpt-oss). Returns [S, Hq, D] in q's type: what
     gathering the blocks and SDPA over the visible slots compute, summed in float32 in
-    another order. One thread: where torch has several it declines, and the PyTorch path
-    splits over torch's own threads (a split over a pool of ours competed with them)."""
+    another order. The sequences are split over torch's threads (`kernel_threads`); where
+    the kernels cannot share them (`threads_match`) it declines."""
     if q.dtype not in (torch.float32, torch.bfloat16) or cache.dtype is not q.dtype:
         return None
-    if torch.get_num_threads() != 1:
+    if not threads_match():
         return None
     if q.device.type != "cpu" or cache.device.type != "cpu" or q.dim() != 3 or cache.dim() != 5:
         return None
@@ -612,6 +636,7 @@ def decode_attention(
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), read.data_ptr(),
         lo.data_ptr(), hi.data_ptr(), scale, softcap or 0.0,
         sinks.data_ptr() if sinks is not None else None, out.data_ptr(), seqs,
+        min(kernel_threads(), seqs),
     )  # fmt: skip
     if code:
         raise RuntimeError(f"decode_attention refused its arguments (code {code})")
@@ -644,8 +669,9 @@ def panel_linear(
     """`F.linear(x, weight, bias)` with the weight as `pack_panels` made it (`n` its output
     features), in C; None where the kernel does not apply. x [..., k] float32 on the CPU;
     bias [n] float32 or None. Each output is one float32 sum over k in order, so a row's
-    result does not depend on the other rows; it agrees with a library GEMM to rounding.
-    One thread (`onednn.pack_weight` packs panels only where torch has one)."""
+    result does not depend on the other rows, nor on the thread count; it agrees with a
+    library GEMM to rounding. The panels are split over torch's threads (`kernel_threads`;
+    `onednn.pack_weight` packs panels only where `threads_match`)."""
     if x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() < 1 or not x.numel():
         return None
     count, k, width = panels.shape
@@ -668,5 +694,6 @@ def panel_linear(
     lib.panel_linear_f32(
         m, n, k, panels.data_ptr(), rows.data_ptr(), rows.stride(0),
         bias.data_ptr() if bias is not None else None, y.data_ptr(),
+        min(kernel_threads(), count),
     )  # fmt: skip
     return y.view(*x.shape[:-1], n)

@@ -12,10 +12,10 @@ and `PackedWeights`) goes to the C kernels' own GEMM instead (`cpu_kernels.panel
 the weight reordered into panels of 32 output columns): for the few rows of a decode step
 it reads the weights at about the memory's speed, where oneDNN's small-row kernels reach
 12-14 GB/s here (batch 8: 1.5-1.8x faster); for many rows the two are bound by the
-multiply-adds alike. It runs on one thread, so it is the path of engines with one torch
-thread (P/D workers sharing a host); with more, float32 keeps oneDNN's threaded GEMM
-(`pack_weight`). Each of its outputs is one sum in order, so a row's result does not
-depend on the batch it is in. One input row of any other weight (bfloat16, or not packed)
+multiply-adds alike. It splits its panels over torch's own OpenMP threads; where it cannot
+(`cpu_kernels.threads_match`), float32 keeps oneDNN's threaded GEMM (`pack_weight`). Each
+of its outputs is one sum in order, so a row's result depends neither on the batch it is
+in nor on the thread count. One input row of any other weight (bfloat16, or not packed)
 goes to `cpu_kernels.gemv` where it applies: that step waits on memory, and the kernel
 reads the weights faster than the library.
 """
@@ -84,20 +84,20 @@ class Panels:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | Panels | None:
-    """`weight` [out, in] reordered once for the CPU: float32 in a process with one torch
-    thread into the C kernels' panels (`Panels`), anything else into oneDNN's blocked
+    """`weight` [out, in] reordered once for the CPU: float32 into the C kernels' panels
+    (`Panels`, see below), anything else into oneDNN's blocked
     layout (an opaque mkldnn tensor `_linear_pointwise` takes in its place), or None where
     neither is available. The reorder only moves values; oneDNN's runs 10-40% faster at the
     engine's shapes than the plain weight, since no call reorders it again. `packed_linear`
     and `run_packed` take either.
 
-    The panel kernel runs on one thread: with several, oneDNN's GEMM splits over torch's
-    own threads, where a split of ours over a pool of its own competed with torch's OpenMP
-    threads (they spin between operations): on two threads a batch-8 prefill took 2.1 s
-    against 1.5 s, and 16 or 32 rows need both cores' multiply-adds."""
+    Panels wherever the kernel splits over as many threads as torch runs
+    (`cpu_kernels.threads_match`: one thread, or torch's OpenMP threads shared). Where it
+    cannot, oneDNN's GEMM splits over torch's threads: one thread of ours beside torch's
+    spinning ones lost (on two threads a batch-8 prefill took 2.1 s against 1.5 s)."""
     if weight.device.type != "cpu":
         return None
-    if weight.dtype is torch.float32 and torch.get_num_threads() == 1:
+    if weight.dtype is torch.float32 and cpu_kernels.threads_match():
         panels = cpu_kernels.pack_panels(weight)
         if panels is not None:
             return Panels(panels, weight.shape[0])

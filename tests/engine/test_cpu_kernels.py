@@ -530,10 +530,9 @@ def test_cpu_linears_take_the_c_kernels(dtype, monkeypatch):
             assert calls == {"gemv": [1] * 5 if rows == 1 else [], "panel_linear": []}
 
 
-def test_several_threads_keep_onednn_for_float32(monkeypatch):
-    """A process with several torch threads packs float32 for oneDNN (its GEMM splits over
-    torch's own threads): no panel calls, the same values as F.linear."""
-    import torch.nn.functional as F
+def _linears_at(threads: int, rows_list, monkeypatch):
+    """Outputs of a packed linear, a fused pair and `packed_linear` for each row count,
+    with `threads` torch threads, and the row counts the panel kernel saw."""
     from torch import nn
 
     from hybrid_pd.engine import onednn
@@ -548,25 +547,84 @@ def test_several_threads_keep_onednn_for_float32(monkeypatch):
     monkeypatch.setattr(
         cpu_kernels, "panel_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a)
     )
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     try:
         w = layers[0].weight
-        assert not isinstance(onednn.pack_weight(w), onednn.Panels)
-        for rows in (1, 8, 100):
-            x = torch.randn(rows, 32)
+        packed = onednn.pack_weight(w)
+        outs = []
+        for rows in rows_list:
+            x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
             with torch.no_grad():
-                outs = [
-                    layers[1](x),
-                    fused(x)[1],
-                    onednn.packed_linear(x, w, onednn.pack_weight(w)),
-                ]
-            wants = [F.linear(x, layers[1].weight, layers[1].bias)] * 2 + [F.linear(x, w)]
-            for out, want in zip(outs, wants, strict=True):
-                torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+                outs.append([layers[1](x), fused(x)[1], onednn.packed_linear(x, w, packed)])
     finally:
         torch.set_num_threads(1)
+        monkeypatch.setattr(cpu_kernels, "panel_linear", real)
+    return outs, calls, packed, layers
+
+
+def test_several_threads_split_the_panels_bit_for_bit(monkeypatch):
+    """With several torch threads float32 still goes through the panels, split over torch's
+    OpenMP threads, and every output equals the one-thread output bit for bit (each is one
+    sum in order, on one thread)."""
+    from hybrid_pd.engine import onednn
+
+    assert cpu_kernels.torch_openmp()  # torch's CPU build for Linux: the path under test
+    rows_list = (1, 8, 100, 600)
+    one, _, _, _ = _linears_at(1, rows_list, monkeypatch)
+    two, calls, packed, _ = _linears_at(2, rows_list, monkeypatch)
+    assert isinstance(packed, onednn.Panels)
+    assert sorted(set(calls)) == list(rows_list)
+    for a, b in zip(one, two, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+
+
+def test_several_threads_without_a_shared_runtime_keep_onednn(monkeypatch):
+    """Where the kernels could not share torch's OpenMP threads (`kernel_threads` is then
+    1), a process with several threads packs float32 for oneDNN, whose GEMM splits over
+    torch's threads: no panel calls, the same values as F.linear."""
+    import torch.nn.functional as F
+
+    from hybrid_pd.engine import onednn
+
+    monkeypatch.setattr(cpu_kernels, "_shared_openmp", False)
+    outs, calls, packed, layers = _linears_at(2, (1, 8, 100), monkeypatch)
     assert calls == []
+    assert not isinstance(packed, onednn.Panels)
+    w, w1, b1 = layers[0].weight, layers[1].weight, layers[1].bias
+    for rows, got in zip((1, 8, 100), outs, strict=True):
+        x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
+        wants = [F.linear(x, w1, b1)] * 2 + [F.linear(x, w)]
+        for out, want in zip(got, wants, strict=True):
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert isinstance(onednn.pack_weight(w), onednn.Panels)  # one thread again
+
+
+def test_the_kernels_run_on_torchs_own_threads():
+    """The kernels' OpenMP runtime is torch's: a split starts no thread of its own (a second
+    runtime would start a second set, competing with torch's)."""
+    import os
+
+    assert cpu_kernels.library() is not None and cpu_kernels.torch_openmp()
+    runtimes = cpu_kernels._openmp_runtimes()
+    assert len(runtimes) == 1, runtimes
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(4096, 256, generator=gen)
+    panels = cpu_kernels.pack_panels(w)
+    x = torch.randn(64, 256, generator=gen)
+    torch.set_num_threads(2)
+    try:
+        assert cpu_kernels.kernel_threads() == 2
+        torch.randn(4096, 4096, generator=gen).sum()  # torch's pool is up
+        before = len(os.listdir("/proc/self/task"))
+        for _ in range(3):
+            two = cpu_kernels.panel_linear(x, panels, 4096)
+        after = len(os.listdir("/proc/self/task"))
+    finally:
+        torch.set_num_threads(1)
+    assert after == before
+    assert cpu_kernels._openmp_runtimes() == runtimes
+    assert torch.equal(two, cpu_kernels.panel_linear(x, panels, 4096))
 
 
 @pytest.mark.parametrize("n, k", [(96, 64), (33, 517), (4, 3), (2048, 512)])  # panel tails
@@ -697,8 +755,17 @@ def test_decode_attention_declines_what_it_does_not_take():
     assert cpu_kernels.decode_attention(q, cache[..., :8], *args) is None  # head dims differ
     wrong = (rows.read, rows.lo.long(), rows.hi, 0.25)
     assert cpu_kernels.decode_attention(q, cache, *wrong) is None
-    torch.set_num_threads(2)  # the PyTorch path splits over torch's threads
+    full = cache.nan_to_num(0.5)  # the new tokens' own slots hold values too
+    one = cpu_kernels.decode_attention(q, full, *args)
+    assert not one.isnan().any()
+    torch.set_num_threads(2)
     try:
+        # split over torch's threads by sequence: the same sums, bit for bit
+        assert torch.equal(cpu_kernels.decode_attention(q, full, *args), one)
+        # no runtime shared with torch: one thread of ours would sit beside torch's idle
+        # ones, so the PyTorch path (which splits over them) takes it
+        cpu_kernels._shared_openmp = False
         assert cpu_kernels.decode_attention(q, cache, *args) is None
     finally:
+        cpu_kernels._shared_openmp = True
         torch.set_num_threads(1)

@@ -10,8 +10,25 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define MAX_DIM 1024
+
+/* Threads: the kernels that take a `threads` argument split their work over that many
+ * OpenMP threads. The library is built with OpenMP only where torch's own runtime is
+ * OpenMP, and it then shares torch's copy of that runtime (one libgomp in the process):
+ * the split runs on torch's intra-op threads, the ones that spin between torch's
+ * operations, instead of competing with them. Every output is computed by one thread in
+ * the same order whatever the count, so results do not depend on it. */
+#ifdef _OPENMP
+#define THREAD_ID() omp_get_thread_num()
+#define THREAD_COUNT() omp_get_num_threads()
+#else
+#define THREAD_ID() 0
+#define THREAD_COUNT() 1
+#endif
 
 /* Gated delta rule (Qwen3.5 / Qwen3-Next linear attention), token by token, for the value
  * heads [h0, h1) of one sequence of n tokens.
@@ -92,15 +109,11 @@ gdn_heads(int n, int hk, int hv, int dk, const int dv, int h0, int h1,
     }
 }
 
-int gdn_recurrent(int n, int hk, int hv, int dk, int dv, int h0, int h1,
-                  const float *q, long qsn, long qsh, long qsd,
-                  const float *k, long ksn, long ksh, long ksd,
-                  const float *v, long vsn, long vsh, long vsd,
-                  const float *g, const float *beta, long gsn, long gsh,
-                  float *state, float *out)
+static void gdn_range(int n, int hk, int hv, int dk, int dv, int h0, int h1, const float *q,
+                      long qsn, long qsh, long qsd, const float *k, long ksn, long ksh,
+                      long ksd, const float *v, long vsn, long vsh, long vsd, const float *g,
+                      const float *beta, long gsn, long gsh, float *state, float *out)
 {
-    if (dv > MAX_DIM || n < 1 || hk < 1 || hv % hk)
-        return -1;
     /* the common head sizes get loops of a known length: pred, delta and o in registers */
 #define GDN_CALL(DV)                                                                      \
     gdn_heads(n, hk, hv, dk, DV, h0, h1, q, qsn, qsh, qsd, k, ksn, ksh, ksd, v, vsn, vsh, \
@@ -112,6 +125,31 @@ int gdn_recurrent(int n, int hk, int hv, int dk, int dv, int h0, int h1,
     else
         GDN_CALL(dv);
 #undef GDN_CALL
+}
+
+/* The value heads [h0, h1) shared among `threads` (each head on one thread). */
+int gdn_recurrent(int n, int hk, int hv, int dk, int dv, int h0, int h1,
+                  const float *q, long qsn, long qsh, long qsd,
+                  const float *k, long ksn, long ksh, long ksd,
+                  const float *v, long vsn, long vsh, long vsd,
+                  const float *g, const float *beta, long gsn, long gsh,
+                  float *state, float *out, int threads)
+{
+    if (dv > MAX_DIM || n < 1 || hk < 1 || hv % hk)
+        return -1;
+#define GDN_RANGE(A, B)                                                                   \
+    gdn_range(n, hk, hv, dk, dv, A, B, q, qsn, qsh, qsd, k, ksn, ksh, ksd, v, vsn, vsh,   \
+              vsd, g, beta, gsn, gsh, state, out)
+    if (threads <= 1) {
+        GDN_RANGE(h0, h1);
+        return 0;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = THREAD_ID(), all = THREAD_COUNT();
+        GDN_RANGE(h0 + (h1 - h0) * t / all, h0 + (h1 - h0) * (t + 1) / all);
+    }
+#undef GDN_RANGE
     return 0;
 }
 
@@ -132,7 +170,7 @@ int gdn_step(int seqs, int hk, int hv, int dk, int dv,
         int code = gdn_recurrent(1, hk, hv, dk, dv, 0, hv, q + s * qss, 0, qsh, qsd,
                                  k + s * kss, 0, ksh, ksd, v + s * vss, 0, vsh, vsd,
                                  g + s * gss, beta + s * gss, 0, gsh, state + s * ss,
-                                 out + (size_t)s * hv * dv);
+                                 out + (size_t)s * hv * dv, 1);
         if (code)
             return code;
     }
@@ -247,13 +285,11 @@ ssd_heads(int seqs, const int *lengths, int heads, int hd, const int ns, int gro
     }
 }
 
-int ssd_scan(int seqs, const int *lengths, int heads, int hd, int ns, int groups, int h0,
-             int h1, float *state, const float *x, long xt, long xh, long xp, const float *dt,
-             long dtt, long dth, const float *a, const float *b, const float *c, long bt,
-             long bg, float *y)
+static void ssd_range(int seqs, const int *lengths, int heads, int hd, int ns, int groups,
+                      int h0, int h1, float *state, const float *x, long xt, long xh, long xp,
+                      const float *dt, long dtt, long dth, const float *a, const float *b,
+                      const float *c, long bt, long bg, float *y)
 {
-    if (seqs < 0 || groups < 1 || heads % groups)
-        return -1;
 #define SCAN_CALL(NS)                                                                      \
     ssd_heads(seqs, lengths, heads, hd, NS, groups, h0, h1, state, x, xt, xh, xp, dt, dtt, \
               dth, a, b, c, bt, bg, y)
@@ -264,6 +300,29 @@ int ssd_scan(int seqs, const int *lengths, int heads, int hd, int ns, int groups
     else
         SCAN_CALL(ns);
 #undef SCAN_CALL
+}
+
+/* The heads [h0, h1) shared among `threads` (each head on one thread). */
+int ssd_scan(int seqs, const int *lengths, int heads, int hd, int ns, int groups, int h0,
+             int h1, float *state, const float *x, long xt, long xh, long xp, const float *dt,
+             long dtt, long dth, const float *a, const float *b, const float *c, long bt,
+             long bg, float *y, int threads)
+{
+    if (seqs < 0 || groups < 1 || heads % groups)
+        return -1;
+#define SCAN_RANGE(A, B)                                                                   \
+    ssd_range(seqs, lengths, heads, hd, ns, groups, A, B, state, x, xt, xh, xp, dt, dtt,   \
+              dth, a, b, c, bt, bg, y)
+    if (threads <= 1) {
+        SCAN_RANGE(h0, h1);
+        return 0;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = THREAD_ID(), all = THREAD_COUNT();
+        SCAN_RANGE(h0 + (h1 - h0) * t / all, h0 + (h1 - h0) * (t + 1) / all);
+    }
+#undef SCAN_RANGE
     return 0;
 }
 
@@ -582,16 +641,33 @@ gemv(long k, const void *w, const float *x, const void *bias, void *y, long r0, 
     }
 }
 
-void gemv_f32(long k, const float *w, const float *x, const float *bias, float *y, long r0,
-              long r1)
+/* gemv over the n output rows, split over `threads` in groups of four rows (its unit). */
+static void gemv_split(long k, const void *w, const float *x, const void *bias, void *y,
+                       long n, int threads, const int bf16)
 {
-    gemv(k, w, x, bias, y, r0, r1, 0);
+    if (threads <= 1) {
+        gemv(k, w, x, bias, y, 0, n, bf16);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const long t = THREAD_ID(), count = THREAD_COUNT();
+        const long r0 = (n * t / count) & ~3L;
+        const long r1 = t + 1 == count ? n : (n * (t + 1) / count) & ~3L;
+        gemv(k, w, x, bias, y, r0, r1, bf16);
+    }
+}
+
+void gemv_f32(long k, const float *w, const float *x, const float *bias, float *y, long n,
+              int threads)
+{
+    gemv_split(k, w, x, bias, y, n, threads, 0);
 }
 
 void gemv_bf16(long k, const uint16_t *w, const float *x, const uint16_t *bias, uint16_t *y,
-               long r0, long r1)
+               long n, int threads)
 {
-    gemv(k, w, x, bias, y, r0, r1, 1);
+    gemv_split(k, w, x, bias, y, n, threads, 1);
 }
 
 /* ------------------------------------------------------------------ decode attention */
@@ -811,17 +887,36 @@ decode_attention(int hq, int hkv, const int d, int bs, int width, const void *q,
     int name(int hq, int hkv, int d, int bs, int width, const type *q, long qs, long qh,      \
              const type *cache, long cn, long ckv, long cb, long ch, const long *read,         \
              const int *lo, const int *hi, float scale, float softcap, const float *sinks,     \
-             type *out, long seqs)                                                            \
+             type *out, long seqs, int threads)                                               \
     {                                                                                         \
         if (hkv <= 0 || hq % hkv || d <= 0 || bs <= 0 || width <= 0)                           \
             return 1;                                                                         \
-        float *scratch = malloc(sizeof(float) * (size_t)hq * ((size_t)d + (size_t)width * bs)); \
-        if (!scratch)                                                                         \
-            return 2;                                                                         \
-        decode_attention(hq, hkv, d, bs, width, q, qs, qh, cache, cn, ckv, cb, ch, read, lo,  \
-                         hi, scale, softcap, sinks, out, seqs, scratch, bf16);                \
-        free(scratch);                                                                        \
-        return 0;                                                                             \
+        if (threads <= 1) {                                                                   \
+            float *scratch =                                                                  \
+                malloc(sizeof(float) * (size_t)hq * ((size_t)d + (size_t)width * bs));        \
+            if (!scratch)                                                                     \
+                return 2;                                                                     \
+            decode_attention(hq, hkv, d, bs, width, q, qs, qh, cache, cn, ckv, cb, ch, read,  \
+                             lo, hi, scale, softcap, sinks, out, seqs, scratch, bf16);        \
+            free(scratch);                                                                    \
+            return 0;                                                                         \
+        }                                                                                     \
+        int failed = 0;                                                                       \
+        _Pragma("omp parallel num_threads(threads) reduction(| : failed)")                    \
+        {                                                                                     \
+            const long t = THREAD_ID(), count = THREAD_COUNT();                               \
+            const long s0 = seqs * t / count, s1 = seqs * (t + 1) / count;                    \
+            float *scratch =                                                                  \
+                malloc(sizeof(float) * (size_t)hq * ((size_t)d + (size_t)width * bs));        \
+            if (!scratch)                                                                     \
+                failed = 1;                                                                   \
+            else if (s1 > s0)                                                                 \
+                decode_attention(hq, hkv, d, bs, width, q + s0 * qs, qs, qh, cache, cn, ckv,  \
+                                 cb, ch, read + s0 * width, lo + s0, hi + s0, scale, softcap, \
+                                 sinks, out + s0 * hq * d, s1 - s0, scratch, bf16);           \
+            free(scratch);                                                                    \
+        }                                                                                     \
+        return failed ? 2 : 0;                                                                \
     }
 DECODE_ATTENTION(decode_attention_f32, float, 0)
 DECODE_ATTENTION(decode_attention_bf16, uint16_t, 1)
@@ -872,15 +967,14 @@ panel_tile(const int rows, long k, const float *w, const float *x, long xs, cons
  * weights at about the memory's speed (a library GEMM's small-row kernels ran at 12-14 GB/s
  * here); for many rows it is bound by the multiply-adds, as a library's is, and the rows
  * go in blocks that stay in the cache while the panels pass. */
-void panel_linear_f32(long m, long n, long k, const float *panels, const float *x, long xs,
-                      const float *bias, float *y)
+static void panel_range(long m, long n, long k, const float *panels, const float *x, long xs,
+                        const float *bias, float *y, long p0, long p1)
 {
-    const long count = (n + PANEL - 1) / PANEL;
     long block = ROW_BLOCK_BYTES / (long)sizeof(float) / (k > 0 ? k : 1) / TILE_ROWS * TILE_ROWS;
     block = block < TILE_ROWS ? TILE_ROWS : block;
     for (long b0 = 0; b0 < m; b0 += block) {
         const long b1 = b0 + block < m ? b0 + block : m;
-        for (long p = 0; p < count; p++) {
+        for (long p = p0; p < p1; p++) {
             const float *w = panels + p * k * PANEL;
             const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
             const float *b = bias ? bias + p * PANEL : NULL;
@@ -897,5 +991,22 @@ void panel_linear_f32(long m, long n, long k, const float *panels, const float *
                 }
             }
         }
+    }
+}
+
+/* The panels are shared among `threads` (each thread all rows of its own panels, in the
+ * same blocks: no thread waits for another); one thread runs them without OpenMP. */
+void panel_linear_f32(long m, long n, long k, const float *panels, const float *x, long xs,
+                      const float *bias, float *y, int threads)
+{
+    const long count = (n + PANEL - 1) / PANEL;
+    if (threads <= 1) {
+        panel_range(m, n, k, panels, x, xs, bias, y, 0, count);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const long t = THREAD_ID(), all = THREAD_COUNT();
+        panel_range(m, n, k, panels, x, xs, bias, y, count * t / all, count * (t + 1) / all);
     }
 }
