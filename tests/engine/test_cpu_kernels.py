@@ -460,9 +460,11 @@ def test_gemv_against_float64(dtype, n, k, bias):
     assert torch.equal(cpu_kernels.gemv(x[0], w, b), got[0])  # one row as a vector
 
 
-def test_gemv_split_over_threads_is_bit_for_bit():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_split_over_threads_is_bit_for_bit(dtype):
     gen = torch.Generator().manual_seed(9)
     w, x, b = torch.randn(2051, 256, generator=gen), torch.randn(1, 256), torch.randn(2051)
+    w, x, b = w.to(dtype), x.to(dtype), b.to(dtype)
     one = cpu_kernels.gemv(x, w, b)
     torch.set_num_threads(2)
     try:
