@@ -56,6 +56,8 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
 #: Below this many state elements times tokens a call is not split over threads.
 _SPLIT_MIN_WORK = 1 << 20
+#: Below this many elements an element-wise kernel (`act_mul`, the norms) is not split.
+_ROWS_SPLIT_MIN = 1 << 16
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -152,24 +154,25 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gdn_recurrent.argtypes = [i] * 7 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, p, i]
     lib.gdn_recurrent.restype = i
     lib.gdn_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, long_, p]
+    lib.gdn_step.argtypes += [i]
     lib.gdn_step.restype = i
     lib.ssd_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 2 + [p, long_, long_, p, p, p]
-    lib.ssd_step.argtypes += [long_, long_, p]
+    lib.ssd_step.argtypes += [long_, long_, p, i]
     lib.ssd_step.restype = i
     lib.ssd_scan.argtypes = [i, p, *[i] * 6, p, p, *[long_] * 3, p, long_, long_, p, p, p]
     lib.ssd_scan.argtypes += [long_, long_, p, i]
     lib.ssd_scan.restype = i
     for name in ("norm_gate_f32", "norm_gate_bf16"):
         getattr(lib, name).argtypes = [long_, i, i, p, long_, long_, p, long_, long_, p]
-        getattr(lib, name).argtypes += [ctypes.c_float, p]
+        getattr(lib, name).argtypes += [ctypes.c_float, p, i]
         getattr(lib, name).restype = i
     for name in ("gate_norm_f32", "gate_norm_bf16"):
-        getattr(lib, name).argtypes = [long_, i, i, p, long_, p, long_, p, ctypes.c_float, p]
+        getattr(lib, name).argtypes = [long_, i, i, p, long_, p, long_, p, ctypes.c_float, p, i]
         getattr(lib, name).restype = i
-    lib.rms_norm_f32.argtypes = [long_, long_, p, long_, p, ctypes.c_float, ctypes.c_float, p]
+    lib.rms_norm_f32.argtypes = [long_, long_, p, long_, p, ctypes.c_float, ctypes.c_float, p, i]
     lib.rms_norm_f32.restype = None
     for name in ("act_mul_f32", "act_mul_bf16"):
-        getattr(lib, name).argtypes = [long_, long_, p, long_, p, long_, p, i]
+        getattr(lib, name).argtypes = [long_, long_, p, long_, p, long_, p, i, i]
         getattr(lib, name).restype = None
     for name in ("gemv_f32", "gemv_bf16"):
         getattr(lib, name).argtypes = [long_, p, p, p, p, long_, i]
@@ -247,10 +250,11 @@ def status(build: bool = True) -> str:
     return "on" if library() is not None else f"off ({_why_not})"
 
 
-def _head_threads(heads: int, work: int) -> int:
-    """Threads for a call over `heads` state heads: torch's (`kernel_threads`) when the
-    work (state elements times tokens) pays for a split, else 1."""
-    return min(kernel_threads(), heads) if work >= _SPLIT_MIN_WORK else 1
+def _split_threads(units: int, work: int, least: int = _SPLIT_MIN_WORK) -> int:
+    """Threads for a call over `units` independent units (state heads, sequences, rows):
+    torch's (`kernel_threads`) when the work (state elements times tokens, or elements)
+    pays for a split, else 1."""
+    return max(1, min(kernel_threads(), units)) if work >= least else 1
 
 
 def _f32(t: torch.Tensor) -> bool:
@@ -287,7 +291,7 @@ def gdn_recurrent(
         n, hk, hv, dk, dv, 0, hv,
         q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(),
         g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), out.data_ptr(),
-        _head_threads(hv, n * dk * dv * hv),
+        _split_threads(hv, n * dk * dv * hv),
     )  # fmt: skip
     if code:
         raise RuntimeError(f"gdn_recurrent refused its arguments (code {code})")
@@ -325,7 +329,7 @@ def gdn_step(
         seqs, hk, hv, dk, dv,
         q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(),
         g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), state.stride(0),
-        out.data_ptr(),
+        out.data_ptr(), _split_threads(seqs, seqs * hv * dk * dv),
     )  # fmt: skip
     if code:
         raise RuntimeError(f"gdn_step refused its arguments (code {code})")
@@ -374,7 +378,7 @@ def ssd_step(
         seqs, heads, hd, ns, groups,
         state.data_ptr(), *state.stride()[:3], x.data_ptr(), *x.stride(),
         dt.data_ptr(), *dt.stride(), a_coef.data_ptr(), b.data_ptr(), c.data_ptr(),
-        *b.stride()[:2], y.data_ptr(),
+        *b.stride()[:2], y.data_ptr(), _split_threads(seqs, seqs * heads * hd * ns),
     )  # fmt: skip
     if code:
         raise RuntimeError(f"ssd_step refused its arguments (code {code})")
@@ -413,7 +417,7 @@ def ssd_scan(
         seqs, lens, heads, hd, ns, groups, 0, heads,
         state.data_ptr(), x.data_ptr(), *x.stride(), dt.data_ptr(), *dt.stride(),
         a_coef.data_ptr(), b.data_ptr(), c.data_ptr(), *b.stride()[:2], y.data_ptr(),
-        _head_threads(heads, total * heads * hd * ns),
+        _split_threads(heads, total * heads * hd * ns),
     )  # fmt: skip
     if code:
         raise RuntimeError(f"ssd_scan refused its arguments (code {code})")
@@ -447,6 +451,7 @@ def act_mul(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | No
     fn(
         rows, cols, gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
         out.data_ptr(), ACTIVATIONS.index(act),
+        _split_threads(rows, rows * cols, _ROWS_SPLIT_MIN),
     )  # fmt: skip
     return out
 
@@ -475,6 +480,7 @@ def norm_gate(
     code = fn(
         tokens, heads, dim, x.data_ptr(), *x.stride()[:2], z.data_ptr(), *z.stride()[:2],
         weight.data_ptr(), eps, out.data_ptr(),
+        _split_threads(tokens, tokens * heads * dim, _ROWS_SPLIT_MIN),
     )  # fmt: skip
     if code:
         raise RuntimeError(f"norm_gate refused its arguments (code {code})")
@@ -505,6 +511,7 @@ def gate_norm(
     code = fn(
         tokens, inner, group, y.data_ptr(), y.stride(0), z.data_ptr(), z.stride(0),
         weight.data_ptr(), eps, out.data_ptr(),
+        _split_threads(tokens, tokens * inner, _ROWS_SPLIT_MIN),
     )  # fmt: skip
     if code:
         return None  # a group the kernel does not take (over 1,024 channels)
@@ -538,8 +545,9 @@ def rms_norm(
     if lib is None:
         return None
     out = x.new_empty(x.shape)
+    threads = _split_threads(rows, rows * dim, _ROWS_SPLIT_MIN)
     lib.rms_norm_f32(
-        rows, dim, x.data_ptr(), row_stride, weight.data_ptr(), offset, eps, out.data_ptr()
+        rows, dim, x.data_ptr(), row_stride, weight.data_ptr(), offset, eps, out.data_ptr(), threads
     )
     return out
 

@@ -96,6 +96,61 @@ def test_gdn_recurrent_split_over_threads_is_bit_for_bit():
     assert torch.equal(one, two)
 
 
+def _row_kernel_calls(dtype):
+    """Calls of the kernels that split rows or sequences over threads, each big enough to
+    split, with fresh inputs (states are updated in place) per call."""
+    gen = torch.Generator().manual_seed(11)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    gate, up, x3, z3, w64 = r(300, 512), r(300, 512), r(300, 8, 64), r(300, 8, 64), r(64)
+    y, z2, x2, w512 = r(300, 512).float(), r(300, 512), r(300, 512), r(512)
+    calls = {
+        "act_mul": lambda: cpu_kernels.act_mul("gelu_tanh", gate, up),
+        "norm_gate": lambda: cpu_kernels.norm_gate(x3, z3, w64, 1e-6),
+        "gate_norm": lambda: cpu_kernels.gate_norm(y, z2, w512, 256, 1e-6),
+    }
+    if dtype is torch.float32:
+        calls["rms_norm"] = lambda: cpu_kernels.rms_norm(x2, w512, 1e-6, 1.0)
+        q, k, v, g, beta, state = _gdn_inputs(32, 4, 8, 64, 64, False, seed=4)
+        states = torch.stack([state * (1 + i / 32) for i in range(32)])
+
+        def gdn():
+            st = states.clone()
+            return cpu_kernels.gdn_step(q, k, v, g, beta, st), st
+
+        calls["gdn_step"] = gdn
+        sx, sb, sc, sdt, sa, sgen = _ssd_inputs(32, 16, 64, 64, 1, 3)
+        ssd_state = torch.randn(32, 16, 64, 64, generator=sgen)
+
+        def ssd():
+            st = ssd_state.clone()
+            return cpu_kernels.ssd_step(sx, sdt, sa, sb, sc, st), st
+
+        calls["ssd_step"] = ssd
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_kernels_split_over_threads_bit_for_bit(dtype):
+    """The element-wise kernels split by rows and the decode state steps by sequences over
+    torch's threads: each output is one thread's, the same bits as on one thread."""
+    calls = _row_kernel_calls(dtype)
+    one = {name: call() for name, call in calls.items()}
+    torch.set_num_threads(2)
+    try:
+        assert cpu_kernels.kernel_threads() == 2
+        two = {name: call() for name, call in calls.items()}
+    finally:
+        torch.set_num_threads(1)
+    for name in calls:
+        a, b = one[name], two[name]
+        a, b = (a, b) if isinstance(a, tuple) else ((a,), (b,))
+        for x, y in zip(a, b, strict=True):
+            assert x is not None and torch.equal(x, y), name
+
+
 def test_ssd_step_declines_what_it_does_not_take():
     x, dt, a = torch.randn(2, 4, 8), torch.rand(2, 4), -torch.rand(4)
     b, c, state = torch.randn(2, 1, 16), torch.randn(2, 1, 16), torch.randn(2, 4, 8, 16)

@@ -30,6 +30,23 @@
 #define THREAD_COUNT() 1
 #endif
 
+/* Runs `...` for the rows r0 .. r0 + nr - 1 of `rows`: all of them on this thread where the
+ * variable `threads` in scope is 1 or less, else a contiguous share on each of `threads`
+ * OpenMP threads. A macro, so that each parallel region (outlined into a function of its
+ * own) sees its caller's constants as constants. */
+#define SPLIT_ROWS(rows, ...)                                                                 \
+    if (threads <= 1 || (rows) < 2) {                                                         \
+        const long r0 = 0, nr = (rows);                                                       \
+        __VA_ARGS__                                                                           \
+    } else {                                                                                  \
+        _Pragma("omp parallel num_threads(threads)")                                         \
+        {                                                                                     \
+            const long t_ = THREAD_ID(), c_ = THREAD_COUNT();                                 \
+            const long r0 = (rows) * t_ / c_, nr = (rows) * (t_ + 1) / c_ - r0;               \
+            __VA_ARGS__                                                                       \
+        }                                                                                     \
+    }
+
 /* Gated delta rule (Qwen3.5 / Qwen3-Next linear attention), token by token, for the value
  * heads [h0, h1) of one sequence of n tokens.
  *
@@ -164,16 +181,16 @@ int gdn_step(int seqs, int hk, int hv, int dk, int dv,
              const float *k, long kss, long ksh, long ksd,
              const float *v, long vss, long vsh, long vsd,
              const float *g, const float *beta, long gss, long gsh,
-             float *state, long ss, float *out)
+             float *state, long ss, float *out, int threads)
 {
-    for (int s = 0; s < seqs; s++) {
-        int code = gdn_recurrent(1, hk, hv, dk, dv, 0, hv, q + s * qss, 0, qsh, qsd,
-                                 k + s * kss, 0, ksh, ksd, v + s * vss, 0, vsh, vsd,
-                                 g + s * gss, beta + s * gss, 0, gsh, state + s * ss,
-                                 out + (size_t)s * hv * dv, 1);
-        if (code)
-            return code;
-    }
+    if (dv > MAX_DIM || hk < 1 || hv % hk)
+        return -1;
+    SPLIT_ROWS(seqs, {
+        for (long s = r0; s < r0 + nr; s++)
+            gdn_recurrent(1, hk, hv, dk, dv, 0, hv, q + s * qss, 0, qsh, qsd, k + s * kss, 0,
+                          ksh, ksd, v + s * vss, 0, vsh, vsd, g + s * gss, beta + s * gss, 0,
+                          gsh, state + s * ss, out + (size_t)s * hv * dv, 1);
+    })
     return 0;
 }
 
@@ -239,19 +256,22 @@ ssd_rows(int seqs, int heads, int hd, const int ns, int groups,
 int ssd_step(int seqs, int heads, int hd, int ns, int groups,
              float *state, long ss, long sh, long sp,
              const float *x, long xs, long xh, long xp, const float *dt, long ds, long dh,
-             const float *a, const float *b, const float *c, long bs, long bg, float *y)
+             const float *a, const float *b, const float *c, long bs, long bg, float *y,
+             int threads)
 {
     if (seqs < 0 || groups < 1 || heads % groups)
         return -1;
 #define SSD_CALL(NS)                                                                      \
-    ssd_rows(seqs, heads, hd, NS, groups, state, ss, sh, sp, x, xs, xh, xp, dt, ds, dh, a, \
-             b, c, bs, bg, y)
-    if (ns == 64)
-        SSD_CALL(64);
-    else if (ns == 128)
-        SSD_CALL(128);
-    else
-        SSD_CALL(ns);
+    ssd_rows(nr, heads, hd, NS, groups, state + r0 * ss, ss, sh, sp, x + r0 * xs, xs, xh, \
+             xp, dt + r0 * ds, ds, dh, a, b + r0 * bs, c + r0 * bs, bs, bg,               \
+             y + (size_t)r0 * heads * hd)
+    if (ns == 64) {
+        SPLIT_ROWS(seqs, SSD_CALL(64);)
+    } else if (ns == 128) {
+        SPLIT_ROWS(seqs, SSD_CALL(128);)
+    } else {
+        SPLIT_ROWS(seqs, SSD_CALL(ns);)
+    }
 #undef SSD_CALL
     return 0;
 }
@@ -452,23 +472,30 @@ act_mul(long rows, long cols, const void *gate, long gs, const void *up, long us
     }
 }
 
+#define ACT_MUL_ROWS(gelu, bf16)                                                              \
+    SPLIT_ROWS(rows, act_mul(nr, cols, gate + r0 * gs, gs, up + r0 * us, us, out + r0 * cols,  \
+                             gelu, bf16);)
+
 void act_mul_f32(long rows, long cols, const float *gate, long gs, const float *up, long us,
-                 float *out, int gelu)
+                 float *out, int gelu, int threads)
 {
-    if (gelu)
-        act_mul(rows, cols, gate, gs, up, us, out, 1, 0);
-    else
-        act_mul(rows, cols, gate, gs, up, us, out, 0, 0);
+    if (gelu) {
+        ACT_MUL_ROWS(1, 0)
+    } else {
+        ACT_MUL_ROWS(0, 0)
+    }
 }
 
 void act_mul_bf16(long rows, long cols, const uint16_t *gate, long gs, const uint16_t *up,
-                  long us, uint16_t *out, int gelu)
+                  long us, uint16_t *out, int gelu, int threads)
 {
-    if (gelu)
-        act_mul(rows, cols, gate, gs, up, us, out, 1, 1);
-    else
-        act_mul(rows, cols, gate, gs, up, us, out, 0, 1);
+    if (gelu) {
+        ACT_MUL_ROWS(1, 1)
+    } else {
+        ACT_MUL_ROWS(0, 1)
+    }
 }
+#undef ACT_MUL_ROWS
 
 /* Gated RMS norm of Qwen3.5 / Qwen3-Next's linear attention (norm, then gate), per head
  * vector of `dim`:
@@ -498,24 +525,30 @@ norm_gate(long tokens, int heads, int dim, const void *x, long xt, long xh, cons
         }
 }
 
+#define NORM_GATE_ROWS(bf16)                                                                  \
+    SPLIT_ROWS(tokens, norm_gate(nr, heads, dim, x + r0 * xt, xt, xh, z + r0 * zt, zt, zh, w,  \
+                                 eps, out + r0 * heads * dim, bf16);)
+
 int norm_gate_f32(long tokens, int heads, int dim, const float *x, long xt, long xh,
-                   const float *z, long zt, long zh, const float *w, float eps, float *out)
+                  const float *z, long zt, long zh, const float *w, float eps, float *out,
+                  int threads)
 {
     if (dim > MAX_DIM)
         return -1;
-    norm_gate(tokens, heads, dim, x, xt, xh, z, zt, zh, w, eps, out, 0);
+    NORM_GATE_ROWS(0)
     return 0;
 }
 
 int norm_gate_bf16(long tokens, int heads, int dim, const uint16_t *x, long xt, long xh,
-                    const uint16_t *z, long zt, long zh, const uint16_t *w, float eps,
-                    uint16_t *out)
+                   const uint16_t *z, long zt, long zh, const uint16_t *w, float eps,
+                   uint16_t *out, int threads)
 {
     if (dim > MAX_DIM)
         return -1;
-    norm_gate(tokens, heads, dim, x, xt, xh, z, zt, zh, w, eps, out, 1);
+    NORM_GATE_ROWS(1)
     return 0;
 }
+#undef NORM_GATE_ROWS
 
 /* Mamba2's gated RMS norm (gate, then norm): h = y silu(z), normalised over groups of
  * `group` channels, times w, in float32 (as the PyTorch form computes it whatever the
@@ -541,29 +574,36 @@ gate_norm(long tokens, int inner, int group, const float *y, long ys, const void
         }
 }
 
+#define GATE_NORM_ROWS(bf16)                                                                  \
+    SPLIT_ROWS(tokens, gate_norm(nr, inner, group, y + r0 * ys, ys, z + r0 * zs, zs, w, eps,   \
+                                 out + r0 * inner, bf16);)
+
 int gate_norm_f32(long tokens, int inner, int group, const float *y, long ys, const float *z,
-                  long zs, const float *w, float eps, float *out)
+                  long zs, const float *w, float eps, float *out, int threads)
 {
     if (group > MAX_DIM || group < 1 || inner % group)
         return -1;
-    gate_norm(tokens, inner, group, y, ys, z, zs, w, eps, out, 0);
+    GATE_NORM_ROWS(0)
     return 0;
 }
 
 int gate_norm_bf16(long tokens, int inner, int group, const float *y, long ys,
-                   const uint16_t *z, long zs, const uint16_t *w, float eps, float *out)
+                   const uint16_t *z, long zs, const uint16_t *w, float eps, float *out,
+                   int threads)
 {
     if (group > MAX_DIM || group < 1 || inner % group)
         return -1;
-    gate_norm(tokens, inner, group, y, ys, z, zs, w, eps, out, 1);
+    GATE_NORM_ROWS(1)
     return 0;
 }
+#undef GATE_NORM_ROWS
 
 /* RMS norm of float32 rows: out = x rsqrt(mean(x^2) + eps) (w + offset). x: [rows, dim],
  * rows xs apart; w: [dim]; out: [rows, dim] contiguous. The sum of squares runs in LANES
  * partial sums. */
-void rms_norm_f32(long rows, long dim, const float *x, long xs, const float *w, float offset,
-                  float eps, float *out)
+static inline __attribute__((always_inline)) void
+rms_norm(long rows, long dim, const float *x, long xs, const float *w, float offset, float eps,
+         float *out)
 {
     for (long r = 0; r < rows; r++) {
         const float *xr = x + r * xs;
@@ -572,6 +612,12 @@ void rms_norm_f32(long rows, long dim, const float *x, long xs, const float *w, 
         for (long j = 0; j < dim; j++)
             o[j] = xr[j] * s * (w[j] + offset);
     }
+}
+
+void rms_norm_f32(long rows, long dim, const float *x, long xs, const float *w, float offset,
+                  float eps, float *out, int threads)
+{
+    SPLIT_ROWS(rows, rms_norm(nr, dim, x + r0 * xs, xs, w, offset, eps, out + r0 * dim);)
 }
 
 /* ------------------------------------------------------------------ one-row linear */
