@@ -30,10 +30,10 @@
 #define THREAD_COUNT() 1
 #endif
 
-/* Runs `...` for the rows r0 .. r0 + nr - 1 of `rows`: all of them on this thread where the
- * variable `threads` in scope is 1 or less, else a contiguous share on each of `threads`
- * OpenMP threads. A macro, so that each parallel region (outlined into a function of its
- * own) sees its caller's constants as constants. */
+/* Runs `...` for the rows (or heads, sequences, panels) r0 .. r0 + nr - 1 of `rows`: all
+ * of them on this thread where the variable `threads` in scope is 1 or less, else a
+ * contiguous share on each of `threads` OpenMP threads. A macro, so that each parallel
+ * region (outlined into a function of its own) sees its caller's constants as constants. */
 #define SPLIT_ROWS(rows, ...)                                                                 \
     if (threads <= 1 || (rows) < 2) {                                                         \
         const long r0 = 0, nr = (rows);                                                       \
@@ -157,15 +157,7 @@ int gdn_recurrent(int n, int hk, int hv, int dk, int dv, int h0, int h1,
 #define GDN_RANGE(A, B)                                                                   \
     gdn_range(n, hk, hv, dk, dv, A, B, q, qsn, qsh, qsd, k, ksn, ksh, ksd, v, vsn, vsh,   \
               vsd, g, beta, gsn, gsh, state, out)
-    if (threads <= 1) {
-        GDN_RANGE(h0, h1);
-        return 0;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = THREAD_ID(), all = THREAD_COUNT();
-        GDN_RANGE(h0 + (h1 - h0) * t / all, h0 + (h1 - h0) * (t + 1) / all);
-    }
+    SPLIT_ROWS(h1 - h0, GDN_RANGE(h0 + r0, h0 + r0 + nr);)
 #undef GDN_RANGE
     return 0;
 }
@@ -333,15 +325,7 @@ int ssd_scan(int seqs, const int *lengths, int heads, int hd, int ns, int groups
 #define SCAN_RANGE(A, B)                                                                   \
     ssd_range(seqs, lengths, heads, hd, ns, groups, A, B, state, x, xt, xh, xp, dt, dtt,   \
               dth, a, b, c, bt, bg, y)
-    if (threads <= 1) {
-        SCAN_RANGE(h0, h1);
-        return 0;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = THREAD_ID(), all = THREAD_COUNT();
-        SCAN_RANGE(h0 + (h1 - h0) * t / all, h0 + (h1 - h0) * (t + 1) / all);
-    }
+    SPLIT_ROWS(h1 - h0, SCAN_RANGE(h0 + r0, h0 + r0 + nr);)
 #undef SCAN_RANGE
     return 0;
 }
@@ -1042,18 +1026,10 @@ static void panel_range(long m, long n, long k, const float *panels, const float
 }
 
 /* The panels are shared among `threads` (each thread all rows of its own panels, in the
- * same blocks: no thread waits for another); one thread runs them without OpenMP. */
+ * same blocks: no thread waits for another). */
 void panel_linear_f32(long m, long n, long k, const float *panels, const float *x, long xs,
                       const float *bias, float *y, int threads)
 {
     const long count = (n + PANEL - 1) / PANEL;
-    if (threads <= 1) {
-        panel_range(m, n, k, panels, x, xs, bias, y, 0, count);
-        return;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        const long t = THREAD_ID(), all = THREAD_COUNT();
-        panel_range(m, n, k, panels, x, xs, bias, y, count * t / all, count * (t + 1) / all);
-    }
+    SPLIT_ROWS(count, panel_range(m, n, k, panels, x, xs, bias, y, r0, r0 + nr);)
 }
