@@ -41,6 +41,9 @@ class WorkerActor:
 
             config = dataclasses.replace(config, host=ray.util.get_node_ip_address())
         self.worker = Worker(config)
+        from hybrid_pd.engine.heap import freeze_startup_heap
+
+        freeze_startup_heap()
 
     def __repr__(self) -> str:
         return self.name

@@ -269,6 +269,7 @@ def bench_engine(
     import torch
 
     from hybrid_pd.engine.engine import Engine, EngineConfig
+    from hybrid_pd.engine.heap import freeze_startup_heap
     from hybrid_pd.engine.loader import load_model
     from hybrid_pd.engine.malloc import tune_malloc
     from hybrid_pd.engine.sampling import SamplingParams
@@ -279,6 +280,7 @@ def bench_engine(
     tune_malloc()
     path = resolve_model(model_name)
     model, config, tok = load_model(path, dtype=dtype)
+    freeze_startup_heap()
     gen = torch.Generator().manual_seed(0)
     rows = []
     hf = None

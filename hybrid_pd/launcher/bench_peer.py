@@ -205,12 +205,14 @@ class VllmPeer:
 
 class _OurSide:
     def __init__(self, path: Path, dtype: str, held_state_rows_bytes: int | None = None) -> None:
+        from hybrid_pd.engine.heap import freeze_startup_heap
         from hybrid_pd.engine.loader import load_model
         from hybrid_pd.engine.malloc import tune_malloc
 
         tune_malloc()  # as in every engine process (vLLM's side preloads tcmalloc)
 
         self.model, self.config, self.tok = load_model(path, dtype=dtype)
+        freeze_startup_heap()  # as in every engine process (and vLLM's engine core)
         self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         self.held_state_rows_bytes = held_state_rows_bytes  # None: the engine's default
         self.held_rows_used: int | None = None  # what the last engine resolved it to

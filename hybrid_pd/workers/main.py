@@ -18,6 +18,7 @@ import threading
 
 from hybrid_pd.api.secret import SECRET_ENV, given_secret
 from hybrid_pd.engine.engine import EngineConfig
+from hybrid_pd.engine.heap import freeze_startup_heap
 from hybrid_pd.engine.malloc import tune_malloc
 from hybrid_pd.engine.threads import set_torch_threads
 from hybrid_pd.kvcache.planner import HELD_STATE_ROWS_HELP, held_state_rows_arg, parse_bytes
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         max_queued=args.max_queued,
     )
     worker = Worker(config)
+    freeze_startup_heap()
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
