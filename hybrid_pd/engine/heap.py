@@ -11,14 +11,18 @@ started: later collections walk only what was created since.
 Call it once per process, after the model is loaded and the engine (or worker) is built:
 frozen objects are never collected again, so garbage among them that a collection would
 have freed stays (the model, the modules and the engine live as long as the process
-anyway). `HYBRID_PD_GC_FREEZE=0` leaves the collector alone.
+anyway). Work that runs inside a process that goes on after it (`generate`, the
+benchmarks, which tests also call in-process) uses `frozen_heap`, which thaws the heap
+again at the end. `HYBRID_PD_GC_FREEZE=0` leaves the collector alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -33,3 +37,15 @@ def freeze_startup_heap() -> int:
     frozen = gc.get_freeze_count()
     logger.info("garbage collector: %d startup objects frozen", frozen)
     return frozen
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[int]:
+    """`freeze_startup_heap` for the work inside the block, the frozen objects handed back
+    to the collector at its end (`gc.unfreeze`)."""
+    frozen = freeze_startup_heap()
+    try:
+        yield frozen
+    finally:
+        if frozen:
+            gc.unfreeze()

@@ -269,7 +269,6 @@ def bench_engine(
     import torch
 
     from hybrid_pd.engine.engine import Engine, EngineConfig
-    from hybrid_pd.engine.heap import freeze_startup_heap
     from hybrid_pd.engine.loader import load_model
     from hybrid_pd.engine.malloc import tune_malloc
     from hybrid_pd.engine.sampling import SamplingParams
@@ -280,7 +279,6 @@ def bench_engine(
     tune_malloc()
     path = resolve_model(model_name)
     model, config, tok = load_model(path, dtype=dtype)
-    freeze_startup_heap()
     gen = torch.Generator().manual_seed(0)
     rows = []
     hf = None
@@ -365,16 +363,19 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
     if args.peer == "vllm":
         return _cmd_bench_engine_peer(args, sizes)
-    result = bench_engine(
-        args.model,
-        args.prompt_len,
-        args.decode_tokens,
-        sizes,
-        not args.no_transformers,
-        threads=args.threads,
-        dtype=args.dtype,
-        held_state_rows_bytes=args.held_state_rows,
-    )
+    from hybrid_pd.engine.heap import frozen_heap
+
+    with frozen_heap():  # as in every engine process (imports make most of the heap)
+        result = bench_engine(
+            args.model,
+            args.prompt_len,
+            args.decode_tokens,
+            sizes,
+            not args.no_transformers,
+            threads=args.threads,
+            dtype=args.dtype,
+            held_state_rows_bytes=args.held_state_rows,
+        )
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -205,14 +205,12 @@ class VllmPeer:
 
 class _OurSide:
     def __init__(self, path: Path, dtype: str, held_state_rows_bytes: int | None = None) -> None:
-        from hybrid_pd.engine.heap import freeze_startup_heap
         from hybrid_pd.engine.loader import load_model
         from hybrid_pd.engine.malloc import tune_malloc
 
         tune_malloc()  # as in every engine process (vLLM's side preloads tcmalloc)
 
         self.model, self.config, self.tok = load_model(path, dtype=dtype)
-        freeze_startup_heap()  # as in every engine process (and vLLM's engine core)
         self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         self.held_state_rows_bytes = held_state_rows_bytes  # None: the engine's default
         self.held_rows_used: int | None = None  # what the last engine resolved it to
@@ -275,6 +273,7 @@ def bench_engine_peer(
     import torch
 
     from hybrid_pd.engine import cpu_kernels
+    from hybrid_pd.engine.heap import frozen_heap
     from hybrid_pd.engine.threads import flush_denormals
     from hybrid_pd.engine.tiny import resolve_model
 
@@ -295,16 +294,19 @@ def bench_engine_peer(
     try:
         if confine_peer:
             os.sched_setaffinity(0, cpus)  # the peer's processes inherit it
-        with VllmPeer(
-            peer_python,
-            path,
-            dtype,
-            max_model_len=prompt_len + decode_tokens,
-            max_batch=max_bs,
-            max_batched_tokens=max_bs * prompt_len,
-            cpus=cpus,
-            env=peer_env or {},
-        ) as peer:
+        with (
+            VllmPeer(
+                peer_python,
+                path,
+                dtype,
+                max_model_len=prompt_len + decode_tokens,
+                max_batch=max_bs,
+                max_batched_tokens=max_bs * prompt_len,
+                cpus=cpus,
+                env=peer_env or {},
+            ) as peer,
+            frozen_heap(),
+        ):  # as in every engine process (imports: most of the heap)
             # the peer has started (on this process's CPUs unless confined); from here
             # ours computes on `cpus`
             os.sched_setaffinity(0, cpus)

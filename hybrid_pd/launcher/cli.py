@@ -191,7 +191,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.disaggregated:
         return _cmd_generate_pd(args)
     from hybrid_pd.engine.engine import Engine, EngineConfig
-    from hybrid_pd.engine.heap import freeze_startup_heap
+    from hybrid_pd.engine.heap import frozen_heap
     from hybrid_pd.engine.loader import load_model
     from hybrid_pd.engine.malloc import tune_malloc
     from hybrid_pd.engine.threads import set_torch_threads
@@ -209,8 +209,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         ),
         tokenizer,
     )
-    freeze_startup_heap()
-    out = engine.generate([_prompt_ids(args, tokenizer)], _sampling(args))[0]
+    with frozen_heap():
+        out = engine.generate([_prompt_ids(args, tokenizer)], _sampling(args))[0]
     result = {
         "token_ids": out.token_ids,
         "text": out.text if out.text is not None else "",

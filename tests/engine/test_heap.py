@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from hybrid_pd.engine.heap import freeze_startup_heap
+from hybrid_pd.engine.heap import freeze_startup_heap, frozen_heap
 
 
 class _Node:
@@ -33,4 +33,11 @@ def test_collects_garbage_then_freezes_what_is_alive(monkeypatch):
 def test_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("HYBRID_PD_GC_FREEZE", "0")
     assert freeze_startup_heap() == 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_frozen_heap_thaws_at_the_end(monkeypatch):
+    monkeypatch.delenv("HYBRID_PD_GC_FREEZE", raising=False)
+    with frozen_heap() as frozen:
+        assert frozen > 0 and gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
