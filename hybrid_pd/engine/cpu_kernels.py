@@ -218,9 +218,9 @@ def _check_openmp(before: set[str]) -> None:
     loaded (the loader then binds the library to it): a second runtime would start a
     second set of threads competing with torch's."""
     global _shared_openmp
-    after = _openmp_runtimes()
-    _shared_openmp = torch_openmp() and bool(before) and after == before
-    if torch_openmp() and not _shared_openmp:
+    after, wanted = _openmp_runtimes(), torch_openmp()
+    _shared_openmp = wanted and bool(before) and after == before
+    if wanted and not _shared_openmp:
         logger.warning(
             "the CPU kernels did not share torch's OpenMP runtime (%s loaded); they run "
             "on one thread",  # and with several torch threads `threads_match` is False
@@ -229,9 +229,8 @@ def _check_openmp(before: set[str]) -> None:
 
 
 def kernel_threads() -> int:
-    """How many threads the kernels that split (`gemv`, `panel_linear`,
-    `decode_attention`) use: torch's intra-op count where they share its OpenMP threads
-    (`library`), else 1."""
+    """How many threads the kernels may split their work over: torch's intra-op count
+    where they share its OpenMP threads (`library`), else 1."""
     return torch.get_num_threads() if library() is not None and _shared_openmp else 1
 
 
@@ -584,11 +583,9 @@ def gemv(
     xf = x.reshape(k).float().contiguous() if bf16 else x.reshape(k).contiguous()
     y = x.new_empty((*x.shape[:-1], n))
     fn = lib.gemv_bf16 if bf16 else lib.gemv_f32
-    threads = min(kernel_threads(), n // 64)
-    if n * k < _GEMV_SPLIT_MIN:
-        threads = 1
     bias_ptr = bias.data_ptr() if bias is not None else None
-    fn(k, weight.data_ptr(), xf.data_ptr(), bias_ptr, y.data_ptr(), n, max(1, threads))
+    threads = _split_threads(n // 64, n * k, _GEMV_SPLIT_MIN)
+    fn(k, weight.data_ptr(), xf.data_ptr(), bias_ptr, y.data_ptr(), n, threads)
     return y
 
 

@@ -6,11 +6,10 @@ by every layer of the group. The batch splits in two:
 
     decode rows   sequences that add one token: one scatter writes all their K/V, one
                   gather reads each one's readable blocks into a padded [S, W*B, Hkv, D]
-                  tensor, one SDPA call attends all of them. On the CPU with one torch
-                  thread a C kernel (`cpu_kernels.decode_attention`) reads the visible
-                  slots where they lie instead, in one pass: no copy, no mask (the
-                  gather and the masked padding cost more than the attention itself at
-                  32 rows)
+                  tensor, one SDPA call attends all of them. On the CPU a C kernel
+                  (`cpu_kernels.decode_attention`) reads the visible slots where they lie
+                  instead, in one pass: no copy, no mask (the gather and the masked
+                  padding cost more than the attention itself at 32 rows)
     the others    prefill chunks, per sequence: write the chunk's K/V, gather the run of
                   keys its queries may read, attend with a causal (+ window / chunk) mask
 

@@ -33,7 +33,9 @@
 /* Runs `...` for the rows (or heads, sequences, panels) r0 .. r0 + nr - 1 of `rows`: all
  * of them on this thread where the variable `threads` in scope is 1 or less, else a
  * contiguous share on each of `threads` OpenMP threads. A macro, so that each parallel
- * region (outlined into a function of its own) sees its caller's constants as constants. */
+ * region (outlined into a function of its own) sees its caller's constants as constants:
+ * given a type flag as an argument, `gemv`'s region ran bfloat16 2-3x slower on two threads
+ * than on one. */
 #define SPLIT_ROWS(rows, ...)                                                                 \
     if (threads <= 1 || (rows) < 2) {                                                         \
         const long r0 = 0, nr = (rows);                                                       \
@@ -671,35 +673,23 @@ gemv(long k, const void *w, const float *x, const void *bias, void *y, long r0, 
     }
 }
 
-/* gemv over the n output rows, split over `threads` in groups of four rows (its unit). A
- * macro, so that each parallel region sees its type as a constant: a region is outlined
- * into a function of its own, which a type passed as an argument would reach as a variable
- * (bfloat16 ran 2-3x slower on two threads than on one). */
-#define GEMV_SPLIT(bf16)                                                                      \
-    if (threads <= 1) {                                                                       \
-        gemv(k, w, x, bias, y, 0, n, bf16);                                                   \
-        return;                                                                               \
-    }                                                                                         \
-    _Pragma("omp parallel num_threads(threads)")                                             \
-    {                                                                                         \
-        const long t = THREAD_ID(), count = THREAD_COUNT();                                   \
-        const long r0 = (n * t / count) & ~3L;                                                \
-        const long r1 = t + 1 == count ? n : (n * (t + 1) / count) & ~3L;                     \
-        gemv(k, w, x, bias, y, r0, r1, bf16);                                                 \
-    }
+/* gemv over the n output rows, split over `threads` in groups of four rows (its unit). */
+#define GEMV_ROWS(bf16)                                                                       \
+    SPLIT_ROWS((n + 3) / 4,                                                                   \
+               gemv(k, w, x, bias, y, 4 * r0, 4 * (r0 + nr) < n ? 4 * (r0 + nr) : n, bf16);)
 
 void gemv_f32(long k, const float *w, const float *x, const float *bias, float *y, long n,
               int threads)
 {
-    GEMV_SPLIT(0)
+    GEMV_ROWS(0)
 }
 
 void gemv_bf16(long k, const uint16_t *w, const float *x, const uint16_t *bias, uint16_t *y,
                long n, int threads)
 {
-    GEMV_SPLIT(1)
+    GEMV_ROWS(1)
 }
-#undef GEMV_SPLIT
+#undef GEMV_ROWS
 
 /* ------------------------------------------------------------------ decode attention */
 
@@ -922,31 +912,19 @@ decode_attention(int hq, int hkv, const int d, int bs, int width, const void *q,
     {                                                                                         \
         if (hkv <= 0 || hq % hkv || d <= 0 || bs <= 0 || width <= 0)                           \
             return 1;                                                                         \
-        if (threads <= 1) {                                                                   \
-            float *scratch =                                                                  \
-                malloc(sizeof(float) * (size_t)hq * ((size_t)d + (size_t)width * bs));        \
-            if (!scratch)                                                                     \
-                return 2;                                                                     \
-            decode_attention(hq, hkv, d, bs, width, q, qs, qh, cache, cn, ckv, cb, ch, read,  \
-                             lo, hi, scale, softcap, sinks, out, seqs, scratch, bf16);        \
-            free(scratch);                                                                    \
-            return 0;                                                                         \
-        }                                                                                     \
         int failed = 0;                                                                       \
-        _Pragma("omp parallel num_threads(threads) reduction(| : failed)")                    \
-        {                                                                                     \
-            const long t = THREAD_ID(), count = THREAD_COUNT();                               \
-            const long s0 = seqs * t / count, s1 = seqs * (t + 1) / count;                    \
+        SPLIT_ROWS(seqs, {                                                                    \
             float *scratch =                                                                  \
                 malloc(sizeof(float) * (size_t)hq * ((size_t)d + (size_t)width * bs));        \
-            if (!scratch)                                                                     \
-                failed = 1;                                                                   \
-            else if (s1 > s0)                                                                 \
-                decode_attention(hq, hkv, d, bs, width, q + s0 * qs, qs, qh, cache, cn, ckv,  \
-                                 cb, ch, read + s0 * width, lo + s0, hi + s0, scale, softcap, \
-                                 sinks, out + s0 * hq * d, s1 - s0, scratch, bf16);           \
+            if (!scratch) {                                                                   \
+                _Pragma("omp atomic write") failed = 1;                                       \
+            } else if (nr > 0) {                                                              \
+                decode_attention(hq, hkv, d, bs, width, q + r0 * qs, qs, qh, cache, cn, ckv,  \
+                                 cb, ch, read + r0 * width, lo + r0, hi + r0, scale, softcap, \
+                                 sinks, out + r0 * hq * d, nr, scratch, bf16);                \
+            }                                                                                 \
             free(scratch);                                                                    \
-        }                                                                                     \
+        })                                                                                    \
         return failed ? 2 : 0;                                                                \
     }
 DECODE_ATTENTION(decode_attention_f32, float, 0)
