@@ -183,6 +183,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [i] * 5 + [p, long_, long_, p] + [long_] * 4 + [p] * 3
         getattr(lib, name).argtypes += [ctypes.c_float, ctypes.c_float, p, p, long_, i]
         getattr(lib, name).restype = i
+    lib.norm_rope_f32.argtypes = [long_, i, i, i, p, long_, long_, p, ctypes.c_float]
+    lib.norm_rope_f32.argtypes += [ctypes.c_float, p, p, long_, p, i]
+    lib.norm_rope_f32.restype = i
+    lib.prompt_attention_f32.argtypes = [i] * 5 + [p, long_, long_, p] + [long_] * 4
+    lib.prompt_attention_f32.argtypes += [p, i, p, i, ctypes.c_float, ctypes.c_float, p, p, i]
+    lib.prompt_attention_f32.restype = i
 
 
 def library() -> ctypes.CDLL | None:
@@ -551,6 +557,50 @@ def rms_norm(
     return out
 
 
+def norm_rope(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+) -> torch.Tensor | None:
+    """Each head of x [T, H, D] RMS-normed (`rms_norm`'s form; `weight` None: not normed),
+    then rotated by cos / sin [T, 1, R] (rotate-half layout, `models.rope.rotate`) on its
+    first R dims, in one C pass; None where the kernel does not apply. float32 on the CPU;
+    x's heads may lie in a wider row (a view of a fused q / k / v output). Returns [T, H, D]
+    contiguous."""
+    if x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() != 3 or not x.numel():
+        return None
+    tokens, heads, dim = x.shape
+    if x.stride(2) != 1 or cos.shape != sin.shape or cos.dim() != 3:
+        return None
+    if cos.shape[0] != tokens or cos.shape[1] != 1 or cos.shape[2] > dim or cos.shape[2] % 2:
+        return None
+    for t in (cos, sin):
+        if t.dtype is not torch.float32 or t.device.type != "cpu" or t.stride(2) != 1:
+            return None
+    if cos.stride(0) != sin.stride(0):
+        return None
+    if weight is not None and (
+        weight.dtype is not torch.float32 or weight.shape != (dim,) or not weight.is_contiguous()
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = x.new_empty(tokens, heads, dim)
+    code = lib.norm_rope_f32(
+        tokens, heads, dim, cos.shape[2], x.data_ptr(), x.stride(0), x.stride(1),
+        weight.data_ptr() if weight is not None else None, offset, eps, cos.data_ptr(),
+        sin.data_ptr(), cos.stride(0), out.data_ptr(),
+        _split_threads(tokens, tokens * heads * dim, _ROWS_SPLIT_MIN),
+    )  # fmt: skip
+    if code:
+        return None  # a head too wide for the kernel
+    return out
+
+
 #: Fewest weight elements a one-row linear splits over threads for.
 _GEMV_SPLIT_MIN = 1 << 18
 
@@ -645,6 +695,70 @@ def decode_attention(
     )  # fmt: skip
     if code:
         raise RuntimeError(f"decode_attention refused its arguments (code {code})")
+    return out
+
+
+#: Score rows per unit of `prompt_attention`'s work (ROWS_TARGET in the C source).
+_PROMPT_ROWS = 128
+
+
+def prompt_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    read: torch.Tensor,
+    first: int,
+    lo: torch.Tensor,
+    own: int,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """A prompt chunk's n queries attending to their keys in the paged pool, in C, read
+    where they lie; None where the kernel does not apply. q [n, Hq, D]; cache the layer's
+    pool [N, 2, B, Hkv, D], both float32 on the CPU, D contiguous. Keys are numbered along
+    the blocks `read` (int64) from slot `first` of the first; query i sees keys lo[i] ..
+    own + i (int32 `lo`, never decreasing). `softcap` and `sinks` as in `decode_attention`.
+    Returns [n, Hq, D]: what SDPA with the causal (window, chunk) mask computes, summed in
+    float32 in another order, each key chunk's scores with a running max (no n x keys
+    matrix). Work splits over torch's threads (`kernel_threads`) by KV head and block of
+    queries, each computed whole by one thread: the result does not depend on the count;
+    where the kernels cannot share torch's threads (`threads_match`) it declines."""
+    if q.dtype is not torch.float32 or cache.dtype is not torch.float32:
+        return None
+    if not threads_match():
+        return None
+    if q.device.type != "cpu" or cache.device.type != "cpu" or q.dim() != 3 or cache.dim() != 5:
+        return None
+    n, hq, d = q.shape
+    hkv = cache.shape[3]
+    if cache.shape[1] != 2 or cache.shape[4] != d or hq % hkv or q.stride(2) != 1 or not n:
+        return None
+    if cache.stride(4) != 1 or lo.shape != (n,):
+        return None
+    for t, dtype in ((read, torch.int64), (lo, torch.int32)):
+        if t.dtype is not dtype or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+    if sinks is not None:
+        if sinks.shape != (hq,) or sinks.device.type != "cpu":
+            return None
+        sinks = sinks.float().contiguous()
+    lib = library()
+    if lib is None:
+        return None
+    g = hq // hkv
+    per = max(1, _PROMPT_ROWS // g)
+    units = hkv * -(-n // per)
+    keys = own + n - int(lo[0])
+    out = q.new_empty(n, hq, d)
+    code = lib.prompt_attention_f32(
+        hq, hkv, d, cache.shape[2], n, q.data_ptr(), q.stride(0), q.stride(1),
+        cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+        read.data_ptr(), first, lo.data_ptr(), own, scale, softcap or 0.0,
+        sinks.data_ptr() if sinks is not None else None, out.data_ptr(),
+        _split_threads(units, n * keys * hq * d),
+    )  # fmt: skip
+    if code:
+        raise RuntimeError(f"prompt_attention refused its arguments (code {code})")
     return out
 
 

@@ -77,6 +77,7 @@ class SeqPlan:
     causal: bool  # visible is the plain causal square: the chunk starts the sequence
     window: int | None  # the sliding window, where the chunk attends in slices of queries
     own_key: int  # the first query's own key: its index in the gathered run (from first_key)
+    lo: torch.Tensor  # [n] int32: each query's first visible key, as an index like own_key
 
 
 @dataclass(frozen=True)
@@ -193,11 +194,18 @@ def _seq_plan(seq: SeqInfo, table: list[int], bs: int, window, chunk, dev) -> Se
         and (chunk is None or seq.num_new <= chunk),
         window=window if window is not None and seq.num_new >= 2 * _slice(window) else None,
         own_key=seq.num_computed - lo,
+        lo=(_first_keys(pos, window, chunk) - lo).to(torch.int32),
     )
 
 
 def _slice(window: int) -> int:
     return max(window, _WINDOW_SLICE)
+
+
+def _first_keys(pos: torch.Tensor, window: int | None, chunk: int | None) -> torch.Tensor:
+    """`_first_key` of each position in `pos`."""
+    lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp_(min=0)
+    return lo if chunk is None else torch.maximum(lo, pos // chunk * chunk)
 
 
 def _visible(qpos, kpos, window: int | None, chunk: int | None) -> torch.Tensor:
@@ -261,6 +269,11 @@ def _attend_seq(q, k, v, cache, p: SeqPlan, scale, softcap, sinks) -> torch.Tens
     """One sequence's queries: q [n, Hq, D], k/v [n, Hkv, D] -> [n, Hq, D]."""
     cache[p.blocks, 0, p.slots] = k.to(cache.dtype)
     cache[p.blocks, 1, p.slots] = v.to(cache.dtype)
+    out = cpu_kernels.prompt_attention(
+        q, cache, p.read, p.offset, p.lo, p.own_key, scale, softcap, sinks
+    )
+    if out is not None:  # the keys read where they lie, only the visible ones (CPU)
+        return out
     num_keys = p.visible.shape[1]
     kv = cache.index_select(0, p.read)  # [nb, 2, B, Hkv, D]
     kv = kv.transpose(0, 1).flatten(1, 2)[:, p.offset : p.offset + num_keys]

@@ -113,6 +113,8 @@ def _row_kernel_calls(dtype):
     }
     if dtype is torch.float32:
         calls["rms_norm"] = lambda: cpu_kernels.rms_norm(x2, w512, 1e-6, 1.0)
+        cos, sin = r(300, 1, 64), r(300, 1, 64)
+        calls["norm_rope"] = lambda: cpu_kernels.norm_rope(x3, cos, sin, w64, 1e-6, 1.0)
         q, k, v, g, beta, state = _gdn_inputs(32, 4, 8, 64, 64, False, seed=4)
         states = torch.stack([state * (1 + i / 32) for i in range(32)])
 
@@ -826,3 +828,136 @@ def test_decode_attention_declines_what_it_does_not_take():
     finally:
         cpu_kernels._shared_openmp = True
         torch.set_num_threads(1)
+
+
+def _prompt_case(hq, hkv, d, bs, done, n, window, chunk, seed=0):
+    """A pool whose every slot the chunk may not read holds NaN, the chunk's plan (n new
+    tokens after `done`), and its q/k/v."""
+    from hybrid_pd.engine.batch import SeqInfo
+    from hybrid_pd.engine.paged_attention import _first_key, _seq_plan
+
+    gen = torch.Generator().manual_seed(seed)
+    need = (done + n - 1) // bs + 1
+    table = (torch.randperm(need + 3, generator=gen) + 1)[:need].tolist()  # out of order
+    cache = torch.full((need + 4, 2, bs, hkv, d), float("nan"))
+    for pos in range(_first_key(done, window, chunk), done):  # keys of earlier chunks
+        cache[table[pos // bs], :, pos % bs] = torch.randn(2, hkv, d, generator=gen)
+    plan = _seq_plan(SeqInfo("r", 0, n, done, (table,)), table, bs, window, chunk, "cpu")
+    q, k, v = (torch.randn(n, h, d, generator=gen) for h in (hq, hkv, hkv))
+    return cache, plan, q, k, v
+
+
+@pytest.mark.parametrize(
+    "hq, hkv, d",
+    [(8, 2, 64), (6, 2, 24), (16, 1, 80), (4, 4, 32)],  # G of 4, 3, 16 and 1; D with tails
+)
+@pytest.mark.parametrize(
+    "done, n, window, chunk, softcap, sinks",
+    [
+        (0, 300, None, None, None, False),  # a prompt from its start: the causal square
+        (0, 200, 48, None, None, False),  # longer than the window
+        (90, 77, 40, None, 20.0, False),  # a later chunk, window and soft cap
+        (37, 130, None, 32, None, True),  # chunked attention with sinks
+        (5, 1, None, None, None, False),
+        (0, 3, 7, None, None, True),
+    ],
+)
+def test_prompt_attention_equals_the_sdpa_path(
+    hq, hkv, d, done, n, window, chunk, softcap, sinks, monkeypatch
+):
+    """The kernel against the prompt path it replaces (gather, then SDPA or explicit
+    scores), over blocks out of order, every slot the chunk may not read holding NaN."""
+    from hybrid_pd.engine import paged_attention
+
+    cache, plan, q, k, v = _prompt_case(hq, hkv, d, 4, done, n, window, chunk)
+    sink = torch.randn(hq) if sinks else None
+    scale = d**-0.5
+    calls = []
+    real = cpu_kernels.prompt_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "prompt_attention", counting)
+    got = paged_attention._attend_seq(q, k, v, cache.clone(), plan, scale, softcap, sink)
+    assert calls == [1]
+    monkeypatch.setattr(cpu_kernels, "prompt_attention", lambda *a, **kw: None)
+    want = paged_attention._attend_seq(q, k, v, cache.clone(), plan, scale, softcap, sink)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert (got - want).abs().max().item() <= 2e-6 * want.abs().max().item()
+
+
+def test_prompt_attention_split_over_threads_and_what_it_declines():
+    cache, plan, q, k, v = _prompt_case(8, 2, 64, 16, 40, 300, 100, None)
+    cache[plan.blocks, 0, plan.slots] = k
+    cache[plan.blocks, 1, plan.slots] = v
+    args = (plan.read, plan.offset, plan.lo, plan.own_key, 0.125)
+    one = cpu_kernels.prompt_attention(q, cache, *args)
+    assert one is not None and torch.isfinite(one).all()
+    assert cpu_kernels.prompt_attention(q.bfloat16(), cache.bfloat16(), *args) is None
+    assert cpu_kernels.prompt_attention(q.bfloat16(), cache, *args) is None
+    assert cpu_kernels.prompt_attention(q[:, :3], cache, *args) is None  # 3 heads over 2
+    assert cpu_kernels.prompt_attention(q, cache[..., :32], *args) is None
+    wrong = (plan.read, plan.offset, plan.lo.long(), plan.own_key, 0.125)
+    assert cpu_kernels.prompt_attention(q, cache, *wrong) is None
+    assert cpu_kernels.prompt_attention(q[:-1], cache, *args) is None  # a query without lo
+    torch.set_num_threads(2)
+    try:
+        # split by KV head and block of queries, each computed whole by one thread
+        assert cpu_kernels.kernel_threads() == 2
+        assert torch.equal(cpu_kernels.prompt_attention(q, cache, *args), one)
+        cpu_kernels._shared_openmp = False
+        assert cpu_kernels.prompt_attention(q, cache, *args) is None
+    finally:
+        cpu_kernels._shared_openmp = True
+        torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("norm", [None, 0.0, 1.0])  # no norm; weight; (1 + weight)
+@pytest.mark.parametrize("rot", [64, 32])  # all of the head; its first half
+def test_norm_rotate_equals_the_norm_then_rotate(norm, rot, monkeypatch):
+    """The one-pass kernel against RMSNorm then `rotate`, on heads that are a view of a
+    fused projection's output (rows wider than the heads)."""
+    from hybrid_pd.engine.models.common import RMSNorm
+    from hybrid_pd.engine.models.rope import cos_sin, norm_rotate
+
+    gen = torch.Generator().manual_seed(5)
+    fused = torch.randn(37, 8 * 64 + 2 * 64, generator=gen) * 3
+    x = fused[:, : 8 * 64].view(37, 8, 64)
+    module = None
+    if norm is not None:
+        module = RMSNorm(64, 1e-6, offset=norm)
+        module.weight.data = torch.randn(64, generator=gen) * 0.5 + (0 if norm else 1)
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    cos, sin = cos_sin(inv, torch.arange(100, 137), 1.0, torch.float32)
+    calls = []
+    real = cpu_kernels.norm_rope
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, "norm_rope", counting)
+    got = norm_rotate(x, cos, sin, module)
+    assert calls == [1] and got.is_contiguous()
+    monkeypatch.setattr(cpu_kernels, "norm_rope", lambda *a, **kw: None)
+    want = norm_rotate(x, cos, sin, module)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if rot < 64 and norm is None:  # the dims past the rotation are the input's
+        assert torch.equal(got[..., rot:], x[..., rot:])
+
+
+def test_norm_rope_declines_what_it_does_not_take():
+    x, cos = torch.randn(4, 2, 8), torch.randn(4, 1, 8)
+    assert cpu_kernels.norm_rope(x, cos, cos) is not None
+    assert cpu_kernels.norm_rope(x.bfloat16(), cos, cos) is None
+    assert cpu_kernels.norm_rope(x, cos.bfloat16(), cos.bfloat16()) is None
+    assert cpu_kernels.norm_rope(x, cos[:3], cos[:3]) is None  # a token without its angle
+    assert cpu_kernels.norm_rope(x, torch.randn(4, 1, 10), torch.randn(4, 1, 10)) is None
+    assert cpu_kernels.norm_rope(x, cos[..., :3], cos[..., :3]) is None  # odd rotary dims
+    assert cpu_kernels.norm_rope(x, cos, cos, torch.randn(7)) is None
+    assert (
+        cpu_kernels.norm_rope(torch.randn(2, 1, 2048), torch.randn(2, 1, 8), torch.randn(2, 1, 8))
+        is None
+    )

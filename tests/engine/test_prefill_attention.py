@@ -1,6 +1,8 @@
 """Prefill-chunk attention (`paged_attention._attend_seq`) against a dense reference: a chunk
 written after earlier tokens, GQA, sliding window and chunked masks, and the explicit-score
-path (soft cap, attention sinks, queries in slices)."""
+path (soft cap, attention sinks, queries in slices); on the CPU both the C kernel
+(`cpu_kernels.prompt_attention`) and the PyTorch path it replaces (the path of other
+devices)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid_pd.engine import paged_attention
+from hybrid_pd.engine import cpu_kernels, paged_attention
 from hybrid_pd.engine.batch import SeqInfo
 from hybrid_pd.engine.paged_attention import _attend_seq, _seq_plan
 
@@ -53,13 +55,17 @@ def _reference(q, keys, values, num_computed, scale, window, chunk, softcap, sin
     ],
 )
 @pytest.mark.parametrize("num_computed", [0, 7])
-# sliced: explicit scores a few queries at a time; on the SDPA path, a sliding window's
+# kernel: the C kernel (CPU, float32); pytorch: the path it replaces; pytorch-sliced: that
+# path's explicit scores a few queries at a time and, on its SDPA path, a sliding window's
 # queries in slices, each over the keys its queries see
-@pytest.mark.parametrize("sliced", [False, True])
+@pytest.mark.parametrize("path", ["kernel", "pytorch", "pytorch-sliced"])
 def test_attend_seq_matches_reference(
-    window, chunk, softcap, sinks, num_computed, sliced, monkeypatch
+    window, chunk, softcap, sinks, num_computed, path, monkeypatch
 ):
     sdpa = softcap is None and not sinks
+    sliced = path == "pytorch-sliced"
+    if path != "kernel":
+        monkeypatch.setattr(cpu_kernels, "prompt_attention", lambda *a, **kw: None)
     if sliced:
         if sdpa and window is None:
             pytest.skip("SDPA path: slices only for a sliding window")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.rope import rotate
+from hybrid_pd.engine.models.rope import norm_rotate
 from hybrid_pd.engine.onednn import FusedLinears
 from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.specs import AttentionSpec
@@ -72,12 +72,6 @@ class PagedSelfAttention(nn.Module):
             k = k * self.key_multiplier
         if self.rotary_dim:
             cos, sin = cos_sin
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            q, k = norm_rotate(q, cos, sin), norm_rotate(k, cos, sin)
         out = paged_attention(self.name, q, k, v, batch, scale=self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rotary_dim == self.head_dim:
-            return rotate(x, cos, sin)
-        turned = rotate(x[..., : self.rotary_dim], cos, sin)
-        return torch.cat([turned, x[..., self.rotary_dim :]], dim=-1)

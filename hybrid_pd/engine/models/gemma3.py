@@ -25,6 +25,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
+from hybrid_pd.engine.models.rope import norm_rotate
 from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
 
@@ -115,13 +116,6 @@ def _inv_freq(params: Mapping[str, Any], head_dim: int) -> torch.Tensor:
     return inv
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by cos/sin [T, 1, D] (rotate-half layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 class Gemma3Attention(nn.Module):
     def __init__(self, s: _Settings, layer_idx: int, kind: str) -> None:
         super().__init__()
@@ -148,10 +142,9 @@ class Gemma3Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self._qkv(x)
-        q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(t, self.num_kv_heads, self.head_dim))
+        q = norm_rotate(q.view(t, self.num_heads, self.head_dim), cos, sin, self.q_norm)
+        k = norm_rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin, self.k_norm)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         out = paged_attention(self.layer_name, q, k, v, batch, scale=self.scale, window=self.window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, load_checkpoint
-from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings, rotate
+from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, norm_rotate, rope_settings
 from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -139,9 +139,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = norm_rotate(q, cos, sin, self.q_norm), norm_rotate(k, cos, sin, self.k_norm)
         out = paged_attention(self.layer_name, q, k, v, batch, scale=self.scale, window=self.window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from hybrid_pd.engine import cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_THETA = 10_000.0
 
@@ -152,3 +154,24 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """x [T, H, D] rotated by cos / sin [T, 1, D] (rotate-half layout)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def norm_rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: torch.nn.Module | None = None
+) -> torch.Tensor:
+    """`rotate(norm(x), cos, sin)` on the first cos.shape[-1] dims of each head, the rest
+    as they are: x [T, H, D] (a view of a fused projection's output), `norm` an RMSNorm over
+    D or None. On the CPU in float32 one C pass (`cpu_kernels.norm_rope`) where PyTorch
+    takes about ten operations: the same formula, within float32 rounding."""
+    if norm is None:
+        out = cpu_kernels.norm_rope(x, cos, sin)
+    else:
+        out = cpu_kernels.norm_rope(x, cos, sin, norm.weight, norm.eps, norm.offset)
+    if out is not None:
+        return out
+    if norm is not None:
+        x = norm(x)
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return rotate(x, cos, sin)
+    return torch.cat([rotate(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
