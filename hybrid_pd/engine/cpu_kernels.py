@@ -183,6 +183,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).argtypes = [i] * 5 + [p, long_, long_, p] + [long_] * 4 + [p] * 3
         getattr(lib, name).argtypes += [ctypes.c_float, ctypes.c_float, p, p, long_, i]
         getattr(lib, name).restype = i
+    lib.conv_silu_f32.argtypes = [long_, long_, i, p, long_, p, p, p, p, i]
+    lib.conv_silu_f32.restype = None
     lib.norm_rope_f32.argtypes = [long_, i, i, i, p, long_, long_, p, ctypes.c_float]
     lib.norm_rope_f32.argtypes += [ctypes.c_float, p, p, long_, p, i]
     lib.norm_rope_f32.restype = i
@@ -554,6 +556,42 @@ def rms_norm(
     lib.rms_norm_f32(
         rows, dim, x.data_ptr(), row_stride, weight.data_ptr(), offset, eps, out.data_ptr(), threads
     )
+    return out
+
+
+def conv_silu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, first: torch.Tensor
+) -> torch.Tensor | None:
+    """A prompt's depthwise causal convolution then SiLU, in one C pass; None where the
+    kernel does not apply. x [W, C] float32 on the CPU (rows a stride apart, channels
+    contiguous): the sequences' windows; weight [K, C] contiguous (tap k of channel c);
+    bias [C] or None; first [T] int64: the row of x where output t's first tap reads.
+    Returns [T, C]: silu(bias + sum over k of x[first + k] weight[k]), summed tap after tap
+    from the bias as PyTorch's shifted multiply-adds sum (within float32 rounding)."""
+    if not all(_f32(t) for t in (x, weight)) or x.dim() != 2 or weight.dim() != 2:
+        return None
+    taps, channels = weight.shape
+    if x.shape[1] != channels or x.stride(1) != 1 or not weight.is_contiguous():
+        return None
+    if bias is not None and (not _f32(bias) or bias.shape != (channels,)):
+        return None
+    if first.dtype is not torch.int64 or first.device.type != "cpu" or first.dim() != 1:
+        return None
+    if not first.is_contiguous() or not first.numel():
+        return None
+    if int(first.min()) < 0 or int(first.max()) + taps > x.shape[0]:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    rows = first.numel()
+    out = x.new_empty(rows, channels)
+    bias = bias.contiguous() if bias is not None else None
+    lib.conv_silu_f32(
+        rows, channels, taps, x.data_ptr(), x.stride(0), first.data_ptr(), weight.data_ptr(),
+        bias.data_ptr() if bias is not None else None, out.data_ptr(),
+        _split_threads(rows, rows * channels * taps, _ROWS_SPLIT_MIN),
+    )  # fmt: skip
     return out
 
 

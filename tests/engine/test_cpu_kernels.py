@@ -115,6 +115,8 @@ def _row_kernel_calls(dtype):
         calls["rms_norm"] = lambda: cpu_kernels.rms_norm(x2, w512, 1e-6, 1.0)
         cos, sin = r(300, 1, 64), r(300, 1, 64)
         calls["norm_rope"] = lambda: cpu_kernels.norm_rope(x3, cos, sin, w64, 1e-6, 1.0)
+        windows, taps, first = r(310, 512), r(4, 512), torch.arange(300) + 3
+        calls["conv_silu"] = lambda: cpu_kernels.conv_silu(windows, taps, w512, first)
         q, k, v, g, beta, state = _gdn_inputs(32, 4, 8, 64, 64, False, seed=4)
         states = torch.stack([state * (1 + i / 32) for i in range(32)])
 
@@ -961,3 +963,27 @@ def test_norm_rope_declines_what_it_does_not_take():
         cpu_kernels.norm_rope(torch.randn(2, 1, 2048), torch.randn(2, 1, 8), torch.randn(2, 1, 8))
         is None
     )
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv_silu_equals_the_shifted_multiply_adds(bias):
+    """Mamba2's prompt convolution: two sequences' windows side by side (K - 1 earlier
+    inputs, then the new ones), the kernel against the PyTorch form it replaces."""
+    gen = torch.Generator().manual_seed(8)
+    taps, channels, lengths = 4, 200, [37, 5]
+    window = torch.randn(sum(n + taps - 1 for n in lengths), channels, generator=gen) * 2
+    weight = torch.randn(taps, channels, generator=gen)
+    b = torch.randn(channels, generator=gen) if bias else None
+    first = torch.cat([torch.arange(37), torch.arange(5) + 37 + taps - 1])
+    got = cpu_kernels.conv_silu(window, weight, b, first)
+    span = window.shape[0] - taps + 1
+    conv = torch.zeros(span, channels) if b is None else b.expand(span, channels).clone()
+    for k in range(taps):
+        conv.addcmul_(window[k : k + span], weight[k])
+    want = torch.nn.functional.silu(conv.index_select(0, first))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert cpu_kernels.conv_silu(window, weight, b, first + span) is None  # past the end
+    assert cpu_kernels.conv_silu(window.double(), weight, b, first) is None
+    assert cpu_kernels.conv_silu(window, weight[:, :10], b, first) is None
+    assert cpu_kernels.conv_silu(window, weight, b, first.int()) is None
+    assert cpu_kernels.conv_silu(window.t(), weight, b, first) is None

@@ -606,6 +606,41 @@ void rms_norm_f32(long rows, long dim, const float *x, long xs, const float *w, 
     SPLIT_ROWS(rows, rms_norm(nr, dim, x + r0 * xs, xs, w, offset, eps, out + r0 * dim);)
 }
 
+/* ------------------------------------------------------------------ causal convolution */
+
+/* A prompt's depthwise causal convolution, then SiLU (Mamba2's conv1d): out[t][c] =
+ * silu(bias[c] + sum over k < taps of x[first[t] + k][c] w[k][c]), the sum taken tap after
+ * tap from the bias (as PyTorch's shifted multiply-adds take it). x: rows xs elements apart,
+ * channels contiguous (the sequences' windows, K - 1 earlier inputs then the new ones);
+ * first[t]: the window row of output t's first tap; w: [taps][channels]; bias: [channels] or
+ * NULL; out: [rows][channels] contiguous. One pass where PyTorch wrote the whole
+ * convolution K times, picked its rows and ran SiLU over them. */
+static inline __attribute__((always_inline)) void
+conv_silu(long rows, long channels, int taps, const float *x, long xs, const long *first,
+          const float *w, const float *bias, float *out)
+{
+    for (long t = 0; t < rows; t++) {
+        const float *xr = x + first[t] * xs;
+        float *o = out + t * channels;
+        for (long c = 0; c < channels; c++)
+            o[c] = bias ? bias[c] : 0.f;
+        for (int k = 0; k < taps; k++) {
+            const float *xk = xr + k * xs, *wk = w + (long)k * channels;
+            for (long c = 0; c < channels; c++)
+                o[c] += xk[c] * wk[c];
+        }
+        for (long c = 0; c < channels; c++)
+            o[c] = silu(o[c]);
+    }
+}
+
+void conv_silu_f32(long rows, long channels, int taps, const float *x, long xs,
+                   const long *first, const float *w, const float *bias, float *out, int threads)
+{
+    SPLIT_ROWS(rows, conv_silu(nr, channels, taps, x, xs, first + r0, w, bias,
+                               out + r0 * channels);)
+}
+
 /* ------------------------------------------------------------------ norm and rotation */
 
 /* Each head of each token: an optional RMS norm over its dim (y = x rsqrt(mean(x^2) + eps)

@@ -368,25 +368,32 @@ class Mamba2Mixer(nn.Module):
             parts += [conv_state.t(), xbc[seq.start : seq.end]]
             ends.append((ends[-1] if ends else 0) + k1 + seq.num_new)
         window = torch.cat(parts).float()
-        # the depthwise causal conv as K shifted multiply-adds on token-major rows: output row
-        # j covers window rows j .. j+K-1, so a sequence's outputs start at its window's first
-        # row; the K-1 rows spanning two windows are dropped
-        weight = self.conv1d.weight[:, 0].float().t()  # [K, C]
-        span = window.shape[0] - k1
-        if self.conv1d.bias is not None:
-            conv = torch.addcmul(self.conv1d.bias.float(), window[:span], weight[0])
-        else:
-            conv = window[:span] * weight[0]
-        for k in range(1, k1 + 1):
-            conv.addcmul_(window[k : k + span], weight[k])
         lengths = [seq.num_new for seq in seqs]
         lens = torch.tensor(lengths, device=dev)
         firsts = torch.tensor(ends, device=dev) - k1 - lens
         total = sum(lengths)
+        # output t's first tap: the window row where its K taps start (a sequence's outputs
+        # start at its window's first row)
         picks = torch.arange(total, device=dev) + (
             firsts - (lens.cumsum(0) - lens)
         ).repeat_interleave(lens, output_size=total)
-        act = self.act(conv.index_select(0, picks))  # [T', C]
+        weight = self.conv1d.weight[:, 0].float().t()  # [K, C]
+        bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
+        act = None
+        if self.act is F.silu:
+            act = cpu_kernels.conv_silu(window, weight.contiguous(), bias, picks)
+        if act is None:
+            # the depthwise causal conv as K shifted multiply-adds on token-major rows:
+            # output row j covers window rows j .. j+K-1; the K-1 rows spanning two
+            # windows are dropped
+            span = window.shape[0] - k1
+            if bias is not None:
+                conv = torch.addcmul(bias, window[:span], weight[0])
+            else:
+                conv = window[:span] * weight[0]
+            for k in range(1, k1 + 1):
+                conv.addcmul_(window[k : k + span], weight[k])
+            act = self.act(conv.index_select(0, picks))  # [T', C]
         gn = self.groups * self.state
         x, b, c = act.split([self.inner, gn, gn], dim=-1)
         x = x.view(total, self.heads, self.head_dim)
