@@ -733,6 +733,19 @@ def test_panel_linear_declines_what_it_does_not_take():
     assert cpu_kernels.panel_linear(x[:0], panels, 40) is None
 
 
+def _count_calls(monkeypatch, name: str) -> list[int]:
+    """Patch the kernel `name` to record each call (a 1) in the list returned."""
+    calls: list[int] = []
+    real = getattr(cpu_kernels, name)
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernels, name, counting)
+    return calls
+
+
 def _decode_case(dtype, hq, hkv, d, bs, positions, window, chunk, seed=0):
     """A pool whose every slot a row may not see holds NaN, the rows' plan, and q/k/v."""
     from hybrid_pd.engine.batch import SeqInfo
@@ -788,14 +801,7 @@ def test_decode_attention_equals_the_gather_and_sdpa(
     cache, rows, q, k, v = _decode_case(dtype, hq, hkv, d, 4, positions, window, chunk)
     sink = torch.randn(hq).to(dtype) if sinks else None
     scale = d**-0.5
-    calls = []
-    real = cpu_kernels.decode_attention
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cpu_kernels, "decode_attention", counting)
+    calls = _count_calls(monkeypatch, "decode_attention")
     got = paged_attention._attend_rows(q, k, v, cache.clone(), rows, scale, softcap, sink)
     assert calls == [1]
     monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *a, **kw: None)
@@ -874,14 +880,7 @@ def test_prompt_attention_equals_the_sdpa_path(
     cache, plan, q, k, v = _prompt_case(hq, hkv, d, 4, done, n, window, chunk)
     sink = torch.randn(hq) if sinks else None
     scale = d**-0.5
-    calls = []
-    real = cpu_kernels.prompt_attention
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cpu_kernels, "prompt_attention", counting)
+    calls = _count_calls(monkeypatch, "prompt_attention")
     got = paged_attention._attend_seq(q, k, v, cache.clone(), plan, scale, softcap, sink)
     assert calls == [1]
     monkeypatch.setattr(cpu_kernels, "prompt_attention", lambda *a, **kw: None)
@@ -933,14 +932,7 @@ def test_norm_rotate_equals_the_norm_then_rotate(norm, rot, monkeypatch):
         module.weight.data = torch.randn(64, generator=gen) * 0.5 + (0 if norm else 1)
     inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
     cos, sin = cos_sin(inv, torch.arange(100, 137), 1.0, torch.float32)
-    calls = []
-    real = cpu_kernels.norm_rope
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cpu_kernels, "norm_rope", counting)
+    calls = _count_calls(monkeypatch, "norm_rope")
     got = norm_rotate(x, cos, sin, module)
     assert calls == [1] and got.is_contiguous()
     monkeypatch.setattr(cpu_kernels, "norm_rope", lambda *a, **kw: None)
