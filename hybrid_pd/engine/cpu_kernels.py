@@ -185,6 +185,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = i
     lib.conv_silu_f32.argtypes = [long_, long_, i, p, long_, p, p, p, p, i]
     lib.conv_silu_f32.restype = None
+    lib.conv_step_silu_f32.argtypes = [long_, long_, i, p, long_, p, long_, p, p, p, i]
+    lib.conv_step_silu_f32.restype = None
     lib.norm_rope_f32.argtypes = [long_, i, i, i, p, long_, long_, p, ctypes.c_float]
     lib.norm_rope_f32.argtypes += [ctypes.c_float, p, p, long_, p, i]
     lib.norm_rope_f32.restype = i
@@ -591,6 +593,39 @@ def conv_silu(
         rows, channels, taps, x.data_ptr(), x.stride(0), first.data_ptr(), weight.data_ptr(),
         bias.data_ptr() if bias is not None else None, out.data_ptr(),
         _split_threads(rows, rows * channels * taps, _ROWS_SPLIT_MIN),
+    )  # fmt: skip
+    return out
+
+
+def conv_step_silu(
+    state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """One new token of each of S sequences through a depthwise causal convolution then
+    SiLU, in C, with `conv_silu`'s arithmetic per output (a token's output is the same bits
+    in a prompt and in a decode step); None where the kernel does not apply. state [S, C,
+    K - 1] float32 (the latest inputs, oldest first; sequences a stride apart, the rest
+    contiguous) is shifted in place to take x [S, C] (rows a stride apart); weight [C, K]
+    contiguous (conv1d's); bias [C] or None. Returns [S, C]."""
+    if not all(_f32(t) for t in (state, x, weight)) or state.dim() != 3 or x.dim() != 2:
+        return None
+    seqs, channels, kept = state.shape
+    if weight.shape != (channels, kept + 1) or not weight.is_contiguous():
+        return None
+    if x.shape != (seqs, channels) or x.stride(1) != 1 or not seqs:
+        return None
+    if state.stride(2) != 1 or state.stride(1) != kept:
+        return None
+    if bias is not None and (not _f32(bias) or bias.shape != (channels,)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = x.new_empty(seqs, channels)
+    bias = bias.contiguous() if bias is not None else None
+    lib.conv_step_silu_f32(
+        seqs, channels, kept + 1, state.data_ptr(), state.stride(0), x.data_ptr(), x.stride(0),
+        weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+        _split_threads(seqs, seqs * channels * (kept + 1), _ROWS_SPLIT_MIN),
     )  # fmt: skip
     return out
 

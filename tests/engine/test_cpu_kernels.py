@@ -117,6 +117,13 @@ def _row_kernel_calls(dtype):
         calls["norm_rope"] = lambda: cpu_kernels.norm_rope(x3, cos, sin, w64, 1e-6, 1.0)
         windows, taps, first = r(310, 512), r(4, 512), torch.arange(300) + 3
         calls["conv_silu"] = lambda: cpu_kernels.conv_silu(windows, taps, w512, first)
+        conv_states, taps_last = r(300, 512, 3), taps.t().contiguous()
+
+        def conv_step():
+            st = conv_states.clone()
+            return cpu_kernels.conv_step_silu(st, x2, taps_last, w512), st
+
+        calls["conv_step_silu"] = conv_step
         q, k, v, g, beta, state = _gdn_inputs(32, 4, 8, 64, 64, False, seed=4)
         states = torch.stack([state * (1 + i / 32) for i in range(32)])
 
@@ -979,3 +986,40 @@ def test_conv_silu_equals_the_shifted_multiply_adds(bias):
     assert cpu_kernels.conv_silu(window, weight[:, :10], b, first) is None
     assert cpu_kernels.conv_silu(window, weight, b, first.int()) is None
     assert cpu_kernels.conv_silu(window.t(), weight, b, first) is None
+
+
+def test_conv_steps_equal_the_prompt_convolution_bit_for_bit():
+    """A token's convolution output and the state it leaves are the same bits whether the
+    token came in a prompt (`conv_silu`) or in decode steps (`conv_step_silu`), alone or in
+    a batch whose states lie as gathered pool rows: how a request's tokens were cut into
+    chunks, steps and batches changes no bit of its Mamba2 convolution."""
+    gen = torch.Generator().manual_seed(12)
+    taps, channels, n = 4, 96, 9
+    weight = torch.randn(channels, taps, generator=gen)  # conv1d's [C, K]
+    bias = torch.randn(channels, generator=gen)
+    state0 = torch.randn(channels, taps - 1, generator=gen)
+    x = torch.randn(n, channels, generator=gen) * 2
+    window = torch.cat([state0.t(), x])  # [K - 1 + n, C]
+    prompt = cpu_kernels.conv_silu(window, weight.t().contiguous(), bias, torch.arange(n))
+    state = state0.clone()[None]
+    for t in range(n):
+        step = cpu_kernels.conv_step_silu(state, x[t : t + 1], weight, bias)
+        assert torch.equal(step[0], prompt[t])
+    assert torch.equal(state[0], window[-(taps - 1) :].t())
+    # three sequences in one step, their states apart as gathered rows lie
+    rows = torch.stack([state0, state0 * 0.5, state0 * 2])
+    pool = torch.zeros(3, 2, channels, taps - 1)
+    pool[:, 1] = rows
+    out = cpu_kernels.conv_step_silu(pool[:, 1], x[:3], weight, None)
+    for s in range(3):
+        alone = rows[s].clone()[None]
+        assert torch.equal(out[s], cpu_kernels.conv_step_silu(alone, x[s : s + 1], weight, None)[0])
+        assert torch.equal(pool[s, 1], alone[0])
+    assert not pool[:, 0].any()
+    # the PyTorch form it replaces: the window times the weights, summed, then SiLU
+    want = torch.nn.functional.silu((torch.cat([rows, x[:3, :, None]], 2) * weight).sum(-1))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert cpu_kernels.conv_step_silu(rows.transpose(1, 2), x[:3], weight, None) is None
+    assert cpu_kernels.conv_step_silu(rows.double(), x[:3], weight, None) is None
+    assert cpu_kernels.conv_step_silu(rows, x[:2], weight, None) is None
+    assert cpu_kernels.conv_step_silu(rows, x[:3], weight[:, :3], None) is None

@@ -634,6 +634,46 @@ conv_silu(long rows, long channels, int taps, const float *x, long xs, const lon
     }
 }
 
+/* One token of each of S sequences through the same convolution and SiLU, with the same
+ * arithmetic per output as conv_silu (the bias, then the taps oldest first, then SiLU), so
+ * a token's output does not depend on whether it came in a prompt or a decode step. state:
+ * [S][channels][taps - 1] (sequences ss elements apart; the taps - 1 latest inputs, oldest
+ * first), shifted in place to take the new input; x: [S][channels] (rows xs apart); w:
+ * [channels][taps] (conv1d's weight); bias: [channels] or NULL; out: [S][channels]. */
+static inline __attribute__((always_inline)) void
+conv_step_silu(long seqs, long channels, int taps, float *state, long ss, const float *x,
+               long xs, const float *w, const float *bias, float *out)
+{
+    const int kept = taps - 1;
+    for (long s = 0; s < seqs; s++) {
+        float *st = state + s * ss, *o = out + s * channels;
+        const float *xr = x + s * xs;
+        for (long c = 0; c < channels; c++)
+            o[c] = bias ? bias[c] : 0.f;
+        for (int k = 0; k < kept; k++)
+            for (long c = 0; c < channels; c++)
+                o[c] += st[c * kept + k] * w[c * taps + k];
+        for (long c = 0; c < channels; c++)
+            o[c] += xr[c] * w[c * taps + kept];
+        for (long c = 0; c < channels; c++)
+            o[c] = silu(o[c]);
+        for (long c = 0; c < channels; c++) {
+            for (int k = 0; k + 1 < kept; k++)
+                st[c * kept + k] = st[c * kept + k + 1];
+            if (kept > 0)
+                st[c * kept + kept - 1] = xr[c];
+        }
+    }
+}
+
+void conv_step_silu_f32(long seqs, long channels, int taps, float *state, long ss,
+                        const float *x, long xs, const float *w, const float *bias, float *out,
+                        int threads)
+{
+    SPLIT_ROWS(seqs, conv_step_silu(nr, channels, taps, state + r0 * ss, ss, x + r0 * xs, xs, w,
+                                    bias, out + r0 * channels);)
+}
+
 void conv_silu_f32(long rows, long channels, int taps, const float *x, long xs,
                    const long *first, const float *w, const float *bias, float *out, int threads)
 {

@@ -309,12 +309,7 @@ class Mamba2Mixer(nn.Module):
         """One token for each of S sequences (xbc [S, C], dt [S, H]): conv and SSD steps on
         stacked states, gathered from and scattered back to the pool once."""
         conv_state, ssm_state = read_state_rows(self.name, batch, rows)
-        weight = self.conv1d.weight[:, 0]  # [C, K]
-        window = torch.cat([conv_state.to(xbc.dtype), xbc[:, :, None]], dim=2)  # [S, C, K]
-        conv = (window * weight).sum(-1)
-        if self.conv1d.bias is not None:
-            conv = conv + self.conv1d.bias
-        x, b, c = self._split_heads(self.act(conv))
+        x, b, c = self._split_heads(self._conv_step(conv_state, xbc))
         # the gathered states are copies: update them where they are, and hand them back
         # (a pool whose states span several blocks then writes their buffer back as is)
         # (not float32: float() converts them into a new tensor, also updated in place)
@@ -323,10 +318,25 @@ class Mamba2Mixer(nn.Module):
         if y is None:
             y, h1 = _ssd_step(x, dt, a_coef, b, c, h1, in_place=True)
         y = y + x * self.D.float()[:, None]
-        # converted whole, then sliced: a converting copy from the strided slice is 4x slower
-        conv_state.copy_(window.to(conv_state.dtype)[:, :, 1:])
         write_state_rows(self.name, batch, rows, [conv_state, h1])
         return y.flatten(1)
+
+    def _conv_step(self, conv_state: torch.Tensor, xbc: torch.Tensor) -> torch.Tensor:
+        """One new input per sequence (xbc [S, C]) through the causal conv and the
+        activation -> [S, C]; conv_state [S, C, K-1] takes the input (in place). SiLU on the
+        CPU in float32: `conv_step_silu`, a prompt's arithmetic (`conv_silu`) per token."""
+        weight = self.conv1d.weight[:, 0]  # [C, K]
+        if self.act is F.silu:
+            out = cpu_kernels.conv_step_silu(conv_state, xbc, weight, self.conv1d.bias)
+            if out is not None:
+                return out
+        window = torch.cat([conv_state.to(xbc.dtype), xbc[:, :, None]], dim=2)  # [S, C, K]
+        conv = (window * weight).sum(-1)
+        if self.conv1d.bias is not None:
+            conv = conv + self.conv1d.bias
+        # converted whole, then sliced: a converting copy from the strided slice is 4x slower
+        conv_state.copy_(window.to(conv_state.dtype)[:, :, 1:])
+        return self.act(conv)
 
     def _split_heads(self, xbc: torch.Tensor):
         """Activated conv output [L, C] -> x [L, H, P], b and c [L, G, N] (float32)."""
@@ -340,19 +350,14 @@ class Mamba2Mixer(nn.Module):
     def _sequence(self, batch, seq: SeqInfo, xbc, dt, a_coef) -> torch.Tensor:
         """One new token of one sequence: the recurrence on its own state."""
         conv_state, ssm_state = read_state(self.name, batch, seq)
-        window = torch.cat([conv_state.to(xbc.dtype), xbc.t()], dim=1)  # [C, K]
-        conv = (window * self.conv1d.weight[:, 0]).sum(-1, keepdim=True)
-        if self.conv1d.bias is not None:
-            conv = conv + self.conv1d.bias[:, None]
-        x, b, c = self._split_heads(self.act(conv.t()))
+        own = conv_state.clone(memory_format=torch.contiguous_format)[None]  # maybe the pool's
+        x, b, c = self._split_heads(self._conv_step(own, xbc))
         h1 = ssm_state.float()[None].clone()  # `ssm_state` may be the pool's
         y = cpu_kernels.ssd_step(x, dt, a_coef, b, c, h1)  # a rows step's arithmetic
         if y is None:
             y, h1 = _ssd_step(x, dt, a_coef, b, c, h1, in_place=True)
         y = y + x * self.D.float()[:, None]
-        write_state(
-            self.name, batch, seq, [window[:, 1:].to(conv_state.dtype), h1[0].to(ssm_state.dtype)]
-        )
+        write_state(self.name, batch, seq, [own[0], h1[0].to(ssm_state.dtype)])
         return y.reshape(1, self.inner)
 
     def _prefill(self, batch, seqs: list[SeqInfo], xbc, dt, a_coef, y: torch.Tensor) -> None:
