@@ -151,7 +151,7 @@ def _build() -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     i, p, long_ = ctypes.c_int, ctypes.c_void_p, ctypes.c_long
-    lib.gdn_recurrent.argtypes = [i] * 7 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, p, i]
+    lib.gdn_recurrent.argtypes = [i] * 5 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, p, i]
     lib.gdn_recurrent.restype = i
     lib.gdn_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, long_, p]
     lib.gdn_step.argtypes += [i]
@@ -159,7 +159,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ssd_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 2 + [p, long_, long_, p, p, p]
     lib.ssd_step.argtypes += [long_, long_, p, i]
     lib.ssd_step.restype = i
-    lib.ssd_scan.argtypes = [i, p, *[i] * 6, p, p, *[long_] * 3, p, long_, long_, p, p, p]
+    lib.ssd_scan.argtypes = [i, p, *[i] * 4, p, p, *[long_] * 3, p, long_, long_, p, p, p]
     lib.ssd_scan.argtypes += [long_, long_, p, i]
     lib.ssd_scan.restype = i
     for name in ("norm_gate_f32", "norm_gate_bf16"):
@@ -266,6 +266,19 @@ def _split_threads(units: int, work: int, least: int = _SPLIT_MIN_WORK) -> int:
     return max(1, min(kernel_threads(), units)) if work >= least else 1
 
 
+def _vector_or_none(t: torch.Tensor | None, n: int, dtype: torch.dtype) -> bool:
+    """Whether `t` (a bias, a norm's weight) is None or a contiguous [n] tensor of `dtype` on
+    the CPU, as the kernels take it."""
+    return t is None or (
+        t.dtype is dtype and t.device.type == "cpu" and t.shape == (n,) and t.is_contiguous()
+    )
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    """The data pointer of an optional argument (NULL for None)."""
+    return None if t is None else t.data_ptr()
+
+
 def _f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu"
 
@@ -297,7 +310,7 @@ def gdn_recurrent(
     out = q.new_empty(n, hv, dv)
 
     code = lib.gdn_recurrent(
-        n, hk, hv, dk, dv, 0, hv,
+        n, hk, hv, dk, dv,
         q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(),
         g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), out.data_ptr(),
         _split_threads(hv, n * dk * dv * hv),
@@ -423,7 +436,7 @@ def ssd_scan(
     lens = (ctypes.c_int * seqs)(*lengths)
 
     code = lib.ssd_scan(
-        seqs, lens, heads, hd, ns, groups, 0, heads,
+        seqs, lens, heads, hd, ns, groups,
         state.data_ptr(), x.data_ptr(), *x.stride(), dt.data_ptr(), *dt.stride(),
         a_coef.data_ptr(), b.data_ptr(), c.data_ptr(), *b.stride()[:2], y.data_ptr(),
         _split_threads(heads, total * heads * hd * ns),
@@ -575,7 +588,7 @@ def conv_silu(
     taps, channels = weight.shape
     if x.shape[1] != channels or x.stride(1) != 1 or not weight.is_contiguous():
         return None
-    if bias is not None and (not _f32(bias) or bias.shape != (channels,)):
+    if not _vector_or_none(bias, channels, torch.float32):
         return None
     if first.dtype is not torch.int64 or first.device.type != "cpu" or first.dim() != 1:
         return None
@@ -588,11 +601,9 @@ def conv_silu(
         return None
     rows = first.numel()
     out = x.new_empty(rows, channels)
-    bias = bias.contiguous() if bias is not None else None
     lib.conv_silu_f32(
         rows, channels, taps, x.data_ptr(), x.stride(0), first.data_ptr(), weight.data_ptr(),
-        bias.data_ptr() if bias is not None else None, out.data_ptr(),
-        _split_threads(rows, rows * channels * taps, _ROWS_SPLIT_MIN),
+        _ptr(bias), out.data_ptr(), _split_threads(rows, rows * channels * taps, _ROWS_SPLIT_MIN),
     )  # fmt: skip
     return out
 
@@ -615,16 +626,15 @@ def conv_step_silu(
         return None
     if state.stride(2) != 1 or state.stride(1) != kept:
         return None
-    if bias is not None and (not _f32(bias) or bias.shape != (channels,)):
+    if not _vector_or_none(bias, channels, torch.float32):
         return None
     lib = library()
     if lib is None:
         return None
     out = x.new_empty(seqs, channels)
-    bias = bias.contiguous() if bias is not None else None
     lib.conv_step_silu_f32(
         seqs, channels, kept + 1, state.data_ptr(), state.stride(0), x.data_ptr(), x.stride(0),
-        weight.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(),
+        weight.data_ptr(), _ptr(bias), out.data_ptr(),
         _split_threads(seqs, seqs * channels * (kept + 1), _ROWS_SPLIT_MIN),
     )  # fmt: skip
     return out
@@ -655,9 +665,7 @@ def norm_rope(
             return None
     if cos.stride(0) != sin.stride(0):
         return None
-    if weight is not None and (
-        weight.dtype is not torch.float32 or weight.shape != (dim,) or not weight.is_contiguous()
-    ):
+    if not _vector_or_none(weight, dim, torch.float32):
         return None
     lib = library()
     if lib is None:
@@ -665,8 +673,7 @@ def norm_rope(
     out = x.new_empty(tokens, heads, dim)
     code = lib.norm_rope_f32(
         tokens, heads, dim, cos.shape[2], x.data_ptr(), x.stride(0), x.stride(1),
-        weight.data_ptr() if weight is not None else None, offset, eps, cos.data_ptr(),
-        sin.data_ptr(), cos.stride(0), out.data_ptr(),
+        _ptr(weight), offset, eps, cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(),
         _split_threads(tokens, tokens * heads * dim, _ROWS_SPLIT_MIN),
     )  # fmt: skip
     if code:
@@ -695,9 +702,7 @@ def gemv(
     n, k = weight.shape
     if x.shape not in ((1, k), (k,)) or not weight.is_contiguous():
         return None
-    if bias is not None and (
-        bias.dtype is not x.dtype or bias.shape != (n,) or not bias.is_contiguous()
-    ):
+    if not _vector_or_none(bias, n, x.dtype):
         return None
     lib = library()
     if lib is None:
@@ -706,9 +711,8 @@ def gemv(
     xf = x.reshape(k).float().contiguous() if bf16 else x.reshape(k).contiguous()
     y = x.new_empty((*x.shape[:-1], n))
     fn = lib.gemv_bf16 if bf16 else lib.gemv_f32
-    bias_ptr = bias.data_ptr() if bias is not None else None
     threads = _split_threads(n // 64, n * k, _GEMV_SPLIT_MIN)
-    fn(k, weight.data_ptr(), xf.data_ptr(), bias_ptr, y.data_ptr(), n, threads)
+    fn(k, weight.data_ptr(), xf.data_ptr(), _ptr(bias), y.data_ptr(), n, threads)
     return y
 
 
@@ -763,7 +767,7 @@ def decode_attention(
         hq, hkv, d, bs, width, q.data_ptr(), q.stride(0), q.stride(1), cache.data_ptr(),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), read.data_ptr(),
         lo.data_ptr(), hi.data_ptr(), scale, softcap or 0.0,
-        sinks.data_ptr() if sinks is not None else None, out.data_ptr(), seqs,
+        _ptr(sinks), out.data_ptr(), seqs,
         min(kernel_threads(), seqs),
     )  # fmt: skip
     if code:
@@ -827,7 +831,7 @@ def prompt_attention(
         hq, hkv, d, cache.shape[2], n, q.data_ptr(), q.stride(0), q.stride(1),
         cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         read.data_ptr(), first, lo.data_ptr(), own, scale, softcap or 0.0,
-        sinks.data_ptr() if sinks is not None else None, out.data_ptr(),
+        _ptr(sinks), out.data_ptr(),
         _split_threads(units, n * keys * hq * d),
     )  # fmt: skip
     if code:
@@ -869,9 +873,7 @@ def panel_linear(
     count, k, width = panels.shape
     if width != PANEL or x.shape[-1] != k or not -PANEL < n - count * PANEL <= 0:
         return None
-    if bias is not None and (
-        bias.dtype is not torch.float32 or bias.shape != (n,) or not bias.is_contiguous()
-    ):
+    if not _vector_or_none(bias, n, torch.float32):
         return None
     if not panels.is_contiguous() or panels.dtype is not torch.float32:
         return None
@@ -885,7 +887,7 @@ def panel_linear(
     y = x.new_empty(m, n)
     lib.panel_linear_f32(
         m, n, k, panels.data_ptr(), rows.data_ptr(), rows.stride(0),
-        bias.data_ptr() if bias is not None else None, y.data_ptr(),
+        _ptr(bias), y.data_ptr(),
         min(kernel_threads(), count),
     )  # fmt: skip
     return y.view(*x.shape[:-1], n)

@@ -146,8 +146,8 @@ static void gdn_range(int n, int hk, int hv, int dk, int dv, int h0, int h1, con
 #undef GDN_CALL
 }
 
-/* The value heads [h0, h1) shared among `threads` (each head on one thread). */
-int gdn_recurrent(int n, int hk, int hv, int dk, int dv, int h0, int h1,
+/* All hv value heads, shared among `threads` (each head on one thread). */
+int gdn_recurrent(int n, int hk, int hv, int dk, int dv,
                   const float *q, long qsn, long qsh, long qsd,
                   const float *k, long ksn, long ksh, long ksd,
                   const float *v, long vsn, long vsh, long vsd,
@@ -159,7 +159,7 @@ int gdn_recurrent(int n, int hk, int hv, int dk, int dv, int h0, int h1,
 #define GDN_RANGE(A, B)                                                                   \
     gdn_range(n, hk, hv, dk, dv, A, B, q, qsn, qsh, qsd, k, ksn, ksh, ksd, v, vsn, vsh,   \
               vsd, g, beta, gsn, gsh, state, out)
-    SPLIT_ROWS(h1 - h0, GDN_RANGE(h0 + r0, h0 + r0 + nr);)
+    SPLIT_ROWS(hv, GDN_RANGE(r0, r0 + nr);)
 #undef GDN_RANGE
     return 0;
 }
@@ -181,9 +181,9 @@ int gdn_step(int seqs, int hk, int hv, int dk, int dv,
         return -1;
     SPLIT_ROWS(seqs, {
         for (long s = r0; s < r0 + nr; s++)
-            gdn_recurrent(1, hk, hv, dk, dv, 0, hv, q + s * qss, 0, qsh, qsd, k + s * kss, 0,
-                          ksh, ksd, v + s * vss, 0, vsh, vsd, g + s * gss, beta + s * gss, 0,
-                          gsh, state + s * ss, out + (size_t)s * hv * dv, 1);
+            gdn_range(1, hk, hv, dk, dv, 0, hv, q + s * qss, 0, qsh, qsd, k + s * kss, 0, ksh,
+                      ksd, v + s * vss, 0, vsh, vsd, g + s * gss, beta + s * gss, 0, gsh,
+                      state + s * ss, out + (size_t)s * hv * dv);
     })
     return 0;
 }
@@ -316,9 +316,9 @@ static void ssd_range(int seqs, const int *lengths, int heads, int hd, int ns, i
 #undef SCAN_CALL
 }
 
-/* The heads [h0, h1) shared among `threads` (each head on one thread). */
-int ssd_scan(int seqs, const int *lengths, int heads, int hd, int ns, int groups, int h0,
-             int h1, float *state, const float *x, long xt, long xh, long xp, const float *dt,
+/* All heads, shared among `threads` (each head on one thread). */
+int ssd_scan(int seqs, const int *lengths, int heads, int hd, int ns, int groups,
+             float *state, const float *x, long xt, long xh, long xp, const float *dt,
              long dtt, long dth, const float *a, const float *b, const float *c, long bt,
              long bg, float *y, int threads)
 {
@@ -327,7 +327,7 @@ int ssd_scan(int seqs, const int *lengths, int heads, int hd, int ns, int groups
 #define SCAN_RANGE(A, B)                                                                   \
     ssd_range(seqs, lengths, heads, hd, ns, groups, A, B, state, x, xt, xh, xp, dt, dtt,   \
               dth, a, b, c, bt, bg, y)
-    SPLIT_ROWS(h1 - h0, SCAN_RANGE(h0 + r0, h0 + r0 + nr);)
+    SPLIT_ROWS(heads, SCAN_RANGE(r0, r0 + nr);)
 #undef SCAN_RANGE
     return 0;
 }
