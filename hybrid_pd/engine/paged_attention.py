@@ -31,6 +31,7 @@ dropped. The sink is finite, so even a row whose keys were all masked stays NaN-
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,10 +59,22 @@ class DecodeRows:
     blocks: torch.Tensor  # [S] the block each new K/V goes to
     slots: torch.Tensor  # [S] its slot in that block
     read: torch.Tensor  # [S * W] the blocks to gather, row after row (padded with block 0)
-    visible: torch.Tensor  # [S, 1, 1, W * B] bool: the gathered slots the query may see
-    masked: torch.Tensor | None  # flat indices in [S * W * B] of the others (None: none)
     lo: torch.Tensor  # [S] int32: the first visible of a row's W * B slots (a run to hi)
     hi: torch.Tensor  # [S] int32: the last (the new token's own)
+    row_slots: int  # W * B
+
+    # The gather path's mask, built on first use (the CPU kernel reads lo and hi only).
+    @functools.cached_property
+    def visible(self) -> torch.Tensor:
+        """[S, 1, 1, W * B] bool: the gathered slots each row's query may see."""
+        slot = torch.arange(self.row_slots, device=self.lo.device)
+        return ((slot >= self.lo[:, None]) & (slot <= self.hi[:, None]))[:, None, None, :]
+
+    @functools.cached_property
+    def masked(self) -> torch.Tensor | None:
+        """Flat indices in [S * W * B] of the slots no query sees (None: none)."""
+        masked = (~self.visible).flatten().nonzero().flatten()
+        return masked if masked.numel() else None
 
 
 @dataclass(frozen=True)
@@ -73,11 +86,20 @@ class SeqPlan:
     slots: torch.Tensor  # [n] its slot in that block
     read: torch.Tensor  # the blocks that hold keys first_key .. num_tokens - 1
     offset: int  # first_key's index in the gathered run of slots
-    visible: torch.Tensor  # [n, num_tokens - first_key] bool
     causal: bool  # visible is the plain causal square: the chunk starts the sequence
     window: int | None  # the sliding window, where the chunk attends in slices of queries
     own_key: int  # the first query's own key: its index in the gathered run (from first_key)
     lo: torch.Tensor  # [n] int32: each query's first visible key, as an index like own_key
+    limits: tuple[int | None, int | None]  # the layer's (window, chunk), for `visible`
+
+    # The PyTorch path's mask, built on first use (the CPU kernel reads lo and own_key only).
+    @functools.cached_property
+    def visible(self) -> torch.Tensor:
+        """[n, num_tokens - first_key] bool: the keys each query may see."""
+        seq, dev = self.seq, self.lo.device
+        pos = torch.arange(seq.num_computed, seq.num_tokens, device=dev)
+        kpos = torch.arange(seq.num_computed - self.own_key, seq.num_tokens, device=dev)
+        return _visible(pos[:, None], kpos[None, :], *self.limits)
 
 
 @dataclass(frozen=True)
@@ -162,18 +184,14 @@ def _decode_rows(seqs: list[SeqInfo], group_id, bs, window, chunk, dev, whole) -
     # a row sees one run of its gathered slots: from its first key to its own
     lo = torch.tensor([k - f * bs for k, f in zip(low, first, strict=True)], device=dev)
     hi = torch.tensor([p - f * bs for p, f in zip(pos, first, strict=True)], device=dev)
-    slot = torch.arange(width * bs, device=dev)
-    visible = (slot >= lo[:, None]) & (slot <= hi[:, None])
-    masked = (~visible).flatten().nonzero().flatten()
     return DecodeRows(
         tokens=None if whole else torch.tensor([s.start for s in seqs], device=dev),
         blocks=torch.tensor([t[p // bs] for t, p in zip(tables, pos, strict=True)], device=dev),
         slots=torch.tensor([p % bs for p in pos], device=dev),
         read=torch.tensor(read, device=dev),
-        visible=visible[:, None, None, :],
-        masked=masked if masked.numel() else None,
         lo=lo.int(),
         hi=hi.int(),
+        row_slots=width * bs,
     )
 
 
@@ -181,20 +199,19 @@ def _seq_plan(seq: SeqInfo, table: list[int], bs: int, window, chunk, dev) -> Se
     pos = torch.arange(seq.num_computed, seq.num_tokens, device=dev)
     lo = _first_key(seq.num_computed, window, chunk)
     first, last = lo // bs, (seq.num_tokens - 1) // bs
-    kpos = torch.arange(lo, seq.num_tokens, device=dev)
     return SeqPlan(
         seq=seq,
         blocks=torch.tensor(table, dtype=torch.long, device=dev)[pos // bs],
         slots=pos % bs,
         read=torch.tensor(table[first : last + 1], dtype=torch.long, device=dev),
         offset=lo - first * bs,
-        visible=_visible(pos[:, None], kpos[None, :], window, chunk),
         causal=seq.num_computed == 0
         and (window is None or seq.num_new <= window)
         and (chunk is None or seq.num_new <= chunk),
         window=window if window is not None and seq.num_new >= 2 * _slice(window) else None,
         own_key=seq.num_computed - lo,
         lo=(_first_keys(pos, window, chunk) - lo).to(torch.int32),
+        limits=(window, chunk),
     )
 
 
