@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from hybrid_pd.proto import worker_pb2 as pb
@@ -42,6 +42,49 @@ class KVTransferParams:
     #: `prompt_digest` of the prompt the params were made for ("" when the maker sets
     #: none): vLLM's connector refuses params whose digest is not its prompt's.
     prompt_digest: str = ""
+    #: Made by the proxy while the prefill still runs (overlap): `block_ids`, `first_token`,
+    #: `engine_id` and `fingerprint` are unknown until the prefill worker's Progress tells
+    #: them (`completed`).
+    staged: bool = False
+
+    @classmethod
+    def for_staging(
+        cls,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        control_address: str,
+        transfer_token: str,
+    ) -> KVTransferParams:
+        """Params for a prefill that is still running (its Prefill carries the token)."""
+        return cls(
+            request_id=request_id,
+            block_ids=(),
+            prompt_len=len(prompt_ids),
+            first_token=0,
+            engine_id="",
+            control_address=control_address,
+            fingerprint="",
+            transfer_token=transfer_token,
+            prompt_digest=prompt_digest(prompt_ids),
+            staged=True,
+        ).validated()
+
+    def completed(
+        self,
+        block_ids: Sequence[Sequence[int]],
+        first_token: int,
+        engine_id: str,
+        fingerprint: str,
+    ) -> KVTransferParams:
+        """The params once the prefill ended and kept its KV (validated)."""
+        return replace(
+            self,
+            block_ids=tuple(tuple(g) for g in block_ids),
+            first_token=first_token,
+            engine_id=engine_id,
+            fingerprint=fingerprint,
+            staged=False,
+        ).validated()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -86,6 +129,7 @@ class KVTransferParams:
             fingerprint=self.fingerprint,
             transfer_token=self.transfer_token,
             prompt_digest=self.prompt_digest,
+            staged=self.staged,
         )
 
     @classmethod
@@ -101,11 +145,18 @@ class KVTransferParams:
             fingerprint=msg.fingerprint,
             transfer_token=msg.transfer_token,
             prompt_digest=msg.prompt_digest,
+            staged=msg.staged,
         ).validated()
 
     def validated(self) -> KVTransferParams:
         """Self, when every field holds a usable value; else ValueError naming the field."""
+        if self.staged and (self.block_ids or self.engine_id or self.fingerprint):
+            raise ValueError(
+                "staged kv_transfer_params carry no block_ids, engine_id or fingerprint"
+            )
         for name in _STRINGS:
+            if self.staged and name in ("engine_id", "fingerprint"):
+                continue
             if not getattr(self, name):
                 raise ValueError(f"kv_transfer_params.{name} is empty")
         if self.prompt_len < 1:

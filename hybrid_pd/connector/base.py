@@ -44,6 +44,10 @@ class LoadResult:
     bytes: int = 0
     messages: int = 0
     seconds: float = 0.0
+    #: Staged loads (the prefill still ran when the load began): the prefill's first token
+    #: once known (None: never learned), and of `bytes` those moved while it ran.
+    first_token: int | None = None
+    staged_bytes: int = 0
 
 
 @runtime_checkable

@@ -15,6 +15,7 @@ import logging
 import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import grpc
@@ -27,6 +28,9 @@ from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 SECRET_HEADER = "x-hybrid-pd-secret"
+#: Progress long-polls: how often the prefill's state is looked at, and the longest wait.
+PROGRESS_POLL_S = 0.01
+PROGRESS_WAIT_MAX_S = 10.0
 
 
 def layout_to_pb(layout: KVLayout) -> pb.Layout:
@@ -179,17 +183,31 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         await self._need_prefill(context)
         remaining = context.time_remaining()
         timeout = max(1.0, (remaining if remaining is not None else 30.0) - 0.5)
+        dst = [list(g.ids) for g in request.dst_blocks]
+        if request.stage_epoch:
+            send = partial(
+                self.prefill.pull_stage,
+                request.request_id,
+                request.transfer_token,
+                request.stage_epoch,
+                list(request.skip_blocks),
+                list(request.stage_end),
+            )
+        else:
+            send = partial(
+                self.prefill.pull,
+                request.request_id,
+                request.transfer_token,
+                skip=list(request.skip_blocks),
+            )
         try:
             res = await asyncio.get_running_loop().run_in_executor(
                 self._sends,
-                lambda: self.prefill.pull(
-                    request.request_id,
-                    request.transfer_token,
-                    [list(g.ids) for g in request.dst_blocks],
-                    request.ucx_address,
-                    request.tag,
+                lambda: send(
+                    dst_blocks=dst,
+                    peer=request.ucx_address,
+                    tag=request.tag,
                     timeout=timeout,
-                    skip=list(request.skip_blocks),
                     message_regions=list(request.message_regions),
                 ),
             )
@@ -220,3 +238,30 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         except TransferFailed:
             return pb.AbortReply(ok=False)
         return pb.AbortReply(ok=True)
+
+    async def Progress(self, request, context):
+        """Long-poll: answer once `min_tokens` are computed, the prefill ended, or `wait_s`
+        (at most PROGRESS_WAIT_MAX_S) passed. Polls the connector's state: no thread waits."""
+        await self._need_prefill(context)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(request.wait_s, 0.0), PROGRESS_WAIT_MAX_S)
+        while True:
+            try:
+                p = self.prefill.progress(request.request_id, request.transfer_token)
+            except TransferFailed as e:
+                return pb.ProgressReply(ok=False, error=str(e))
+            done = p.state in ("kept", "ended") or (
+                p.state == "running" and p.computed >= request.min_tokens
+            )
+            if done or loop.time() >= deadline:
+                return pb.ProgressReply(
+                    ok=True,
+                    state=p.state,
+                    epoch=p.epoch,
+                    computed_tokens=p.computed,
+                    block_ids=[pb.BlockIds(ids=g) for g in p.block_ids],
+                    first_token=p.first_token,
+                    engine_id=self.prefill.engine_id if p.state == "kept" else "",
+                    fingerprint=self.prefill.layout.fingerprint if p.state == "kept" else "",
+                )
+            await asyncio.sleep(PROGRESS_POLL_S)

@@ -7,6 +7,12 @@ on this connector's own threads and its end is reported through `get_finished` b
 handshake (once per prefill worker: layouts must match)
 post UCX receives straight into the destination runs
 PullKV over gRPC (prefill sends the runs) → wait for the receives → Release
+
+Staged params (the proxy sent them while the prefill still runs): follow the prefill with
+Progress long-polls; each time whole full-attention blocks are computed, pull them (a staged
+PullKV); once the prefill kept its KV, the final pull sends only the rest (sliding-window
+blocks, state pages, the last full blocks). Blocks staged under an epoch the prefill left
+(preempted there) are pulled again.
 """
 
 from __future__ import annotations
@@ -41,6 +47,13 @@ from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
+#: Staged loads: how long one Progress call may wait, how many whole blocks a staged pull
+#: waits for (fewer only in the final pull), and how many refused staged pulls in a row
+#: end the staging (the final pull then sends everything).
+PROGRESS_WAIT_S = 5.0
+STAGE_MIN_BLOCKS = 1
+STAGE_MAX_VOID = 3
+
 
 @dataclass(frozen=True)
 class TransferStats:
@@ -74,6 +87,7 @@ class DecodeConnector:
         scatter_gather: bool = True,
         message_max_bytes: int = MESSAGE_MAX_BYTES,
         message_max_regions: int = MESSAGE_MAX_REGIONS,
+        max_staged_loads: int = 64,
     ) -> None:
         """`peers`: control addresses of the prefill workers this worker may dial (more
         come through `add_peers`); kv_transfer_params naming any other address fail.
@@ -103,6 +117,10 @@ class DecodeConnector:
             "pulls": 0,
             "failed": 0,
             "held_blocks": 0,  # blocks not pulled: this worker's prefix cache held them
+            "staged_loads": 0,  # loads that began while the prefill ran
+            "staged_pulls": 0,
+            "staged_bytes": 0,
+            "staged_void": 0,  # staged pulls refused or voided (pulled again later)
             "bytes": 0,
             "messages": 0,
             "seconds": 0.0,  # pull time of the successful pulls, handshake to arrival
@@ -112,6 +130,12 @@ class DecodeConnector:
         self.notify: Callable[[], None] = lambda: None
         self._pulls = ThreadPoolExecutor(max_parallel_pulls, thread_name_prefix="kv-pull")
         self._control = ThreadPoolExecutor(1, thread_name_prefix="kv-control")
+        # A staged load waits on its prefill for the whole prompt: its own threads, so
+        # ordinary pulls never queue behind them (the engine's max_num_seqs bounds them).
+        self._staged = ThreadPoolExecutor(max_staged_loads, thread_name_prefix="kv-stage")
+        self._following: set[str] = set()  # staged loads running (prefill request ids)
+        self._dropped: set[str] = set()  # of those, the ones whose request was dropped
+        self._closing = False
         self._finished: list[LoadResult] = []
 
     def _count(self, **deltas: float) -> None:
@@ -134,6 +158,9 @@ class DecodeConnector:
         block_ids: tuple[list[int], ...],
         held: Sequence[int] = (),
     ) -> None:
+        if params.staged:
+            self._staged.submit(self._load_staged, request_id, params, block_ids, tuple(held))
+            return
         self._pulls.submit(self._load, request_id, params, block_ids, tuple(held))
 
     def _load(self, request_id: str, params: KVTransferParams, block_ids, held) -> None:
@@ -162,6 +189,177 @@ class DecodeConnector:
             except TransferFailed as e:  # the lease expires on its own
                 logger.warning("release of %s failed (%s)", release.request_id, e)
 
+    def _load_staged(self, request_id: str, params: KVTransferParams, block_ids, held) -> None:
+        """A load that began while the prefill ran: stage, then the final pull."""
+        final = None
+        with self._lock:
+            self._following.add(params.request_id)
+        try:
+            self._count(staged_loads=1)
+            final, have, staged = self._follow(params, block_ids, held)
+            st = self.pull(final, block_ids, release=False, held=have, staged=sum(have) - sum(held))
+            res = LoadResult(
+                request_id,
+                None,
+                st.bytes + staged.bytes,
+                st.messages + staged.messages,
+                st.seconds,  # what the request waited once the prefill ended
+                first_token=final.first_token,
+                staged_bytes=staged.bytes,
+            )
+        except Exception as e:  # never lose a load: the engine must hear that it ended
+            if not isinstance(e, TransferFailed):
+                logger.exception("staged KV load for %s failed", request_id)
+            error = str(e) if isinstance(e, TransferFailed) else f"{type(e).__name__}: {e}"
+            res = LoadResult(request_id, error, first_token=final and final.first_token)
+        with self._lock:
+            self._following.discard(params.request_id)
+            self._dropped.discard(params.request_id)
+            if res.error is not None:
+                self.stats["last_error"] = res.error
+        if res.error is not None:
+            logger.warning("staged KV load for %s failed: %s", request_id, res.error)
+            # With the first token known the engine recomputes: the KV is not needed. Without
+            # it the proxy may still hand the kept KV to another decode leg: leave the lease.
+            if final is not None:
+                self.abort_later(final)
+        with self._lock:
+            self._finished.append(res)
+        self.notify()
+        if res.error is None:
+            try:
+                self._release(self._peer(final.control_address), final)
+            except TransferFailed as e:  # the lease expires on its own
+                logger.warning("release of %s failed (%s)", final.request_id, e)
+
+    def _follow(self, params: KVTransferParams, block_ids, held) -> tuple:
+        """Follow a running prefill, pulling whole computed full-attention blocks as they
+        come; returns (the completed params, per group the blocks this worker now holds,
+        the staged pulls' TransferStats)."""
+        peer = self._peer(params.control_address)
+        bs = self.layout.block_size
+        full = [g.kind == "full" for g in self.layout.groups]
+        dst = [[b for b in g if b != NULL_BLOCK_ID] for g in block_ids]
+        base = list(held) if held else [0] * len(dst)
+        have, epoch, void = list(base), 0, 0
+        moved = [0, 0]  # bytes, messages of staged pulls that stood
+        admitted_by = time.monotonic() + self.timeout_s
+        while True:
+            with self._lock:
+                if params.request_id in self._dropped or self._closing:
+                    raise TransferFailed("the request was dropped while its prefill ran")
+            # The next whole block to stage; none left (or staging gave up): wait for the
+            # end, which Progress answers at once (min_tokens past the prompt).
+            whole = params.prompt_len // bs
+            behind = [have[g] for g in range(len(dst)) if full[g] and have[g] < whole]
+            if behind and void < STAGE_MAX_VOID:
+                want = (min(behind) + STAGE_MIN_BLOCKS) * bs
+            else:
+                want = params.prompt_len + 1
+            reply = self._progress(peer, params, want)
+            if reply.state == "ended":
+                raise TransferFailed("the prefill ended without keeping the KV")
+            if reply.state == "waiting":
+                if time.monotonic() > admitted_by:
+                    raise TransferFailed("the prefill worker never admitted the request")
+                time.sleep(0.05)
+                continue
+            if reply.epoch != epoch:  # first reply, or the prefill was preempted
+                have, epoch = list(base), reply.epoch
+            if reply.state == "kept":
+                final = params.completed(
+                    [g.ids for g in reply.block_ids],
+                    reply.first_token,
+                    reply.engine_id,
+                    reply.fingerprint,
+                )
+                return final, have, TransferStats(moved[0], moved[1], 0.0)
+            if want > params.prompt_len:
+                continue
+            done = reply.computed_tokens // bs
+            end = [min(done, len(d)) if full[g] else have[g] for g, d in enumerate(dst)]
+            if sum(end) - sum(have) < STAGE_MIN_BLOCKS:
+                continue
+            src = [list(reply.block_ids[g].ids[have[g] : end[g]]) for g in range(len(dst))]
+            try:
+                st = self._pull_stage(peer, params, epoch, have, end, src, dst)
+            except _Refused as e:
+                void += 1
+                self._count(staged_void=1)
+                logger.info("staged pull of %s refused (%s)", params.request_id, e)
+                have = list(base)  # what the refused pull wrote is garbage: pull it again
+                continue
+            have = end
+            moved[0] += st.bytes
+            moved[1] += st.messages
+
+    def _progress(self, peer: _Peer, params: KVTransferParams, min_tokens: int):
+        try:
+            reply = peer.stub.Progress(
+                pb.ProgressRequest(
+                    request_id=params.request_id,
+                    transfer_token=params.transfer_token,
+                    min_tokens=min_tokens,
+                    wait_s=PROGRESS_WAIT_S,
+                ),
+                timeout=PROGRESS_WAIT_S + self.timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as e:
+            self.forget_peer(params.control_address)
+            raise TransferFailed(
+                f"prefill worker {params.control_address} failed during the prefill: "
+                f"{_rpc_error(e)}"
+            ) from e
+        if not reply.ok:
+            raise TransferFailed(f"prefill worker refused the progress call: {reply.error}")
+        return reply
+
+    def _pull_stage(self, peer: _Peer, params, epoch: int, have, end, src, dst) -> TransferStats:
+        """One staged pull: group g's blocks have[g] .. end[g]. Raises _Refused when the
+        prefill worker refused or voided it (the blocks changed there), TransferFailed when
+        it failed."""
+        t0 = time.perf_counter()
+        part = [d[a:b] for d, a, b in zip(dst, have, end, strict=True)]
+        try:
+            messages, packing = self._messages(peer, self._plan.runs(src, part))
+        except ValueError as e:
+            raise TransferFailed(f"a staged pull does not fit this request: {e}") from e
+        tag = self._tag_base | (next(self._counter) % (1 << 24)) << 16
+        handle = self.transport.post_recv(peer.ucx_address, tag, messages)
+        try:
+            reply = peer.stub.PullKV(
+                pb.PullRequest(
+                    request_id=params.request_id,
+                    transfer_token=params.transfer_token,
+                    engine_id=self.engine_id,
+                    ucx_address=self.transport.address,
+                    tag=tag,
+                    dst_blocks=[pb.BlockIds(ids=g) for g in part],
+                    skip_blocks=have,
+                    message_regions=packing,
+                    stage_epoch=epoch,
+                    stage_end=end,
+                ),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
+            )
+            if not reply.ok:
+                raise _Refused(reply.error)
+            handle.wait(self.timeout_s)
+        except grpc.RpcError as e:
+            handle.cancel()
+            self.forget_peer(params.control_address)
+            raise TransferFailed(
+                f"prefill worker {params.control_address} failed during a staged pull: "
+                f"{_rpc_error(e)}"
+            ) from e
+        except BaseException:
+            handle.cancel()
+            raise
+        self._count(staged_pulls=1, staged_bytes=reply.bytes, bytes=reply.bytes)
+        return TransferStats(reply.bytes, reply.messages, time.perf_counter() - t0)
+
     def get_finished(self) -> list[LoadResult]:
         with self._lock:
             out, self._finished = self._finished, []
@@ -175,7 +373,13 @@ class DecodeConnector:
             self._control.submit(self.heartbeat, list(params))
 
     def abort_later(self, params: KVTransferParams) -> None:
-        """`abort` on the control thread (the request was dropped before its pull)."""
+        """`abort` on the control thread (the request was dropped before its pull). A
+        staged load still following its prefill stops at its next look."""
+        if params.staged:
+            with self._lock:
+                if params.request_id in self._following:
+                    self._dropped.add(params.request_id)
+            return
         self._control.submit(self.abort, params)
 
     def add_peers(self, addresses) -> None:
@@ -270,12 +474,14 @@ class DecodeConnector:
         dst_block_ids: tuple[list[int], ...],
         release: bool = True,
         held: Sequence[int] = (),
+        staged: int = 0,
     ) -> TransferStats:
         """Fill `dst_block_ids` (this worker's blocks, per group, null blocks included) with
         the request's KV; then (`release`) release it on the prefill worker. `held[g]`:
         group g's first non-null blocks already hold their KV and are skipped (the prefill
-        worker sends only the rest). Raises TransferFailed. The seconds reported run from
-        the call to the bytes' arrival."""
+        worker sends only the rest; `staged` of them were staged pulls, not this worker's
+        prefix cache). Raises TransferFailed. The seconds reported run from the call to
+        the bytes' arrival."""
         t0 = time.perf_counter()
         peer = self._peer(params.control_address)  # the handshake names a layout mismatch
         if params.fingerprint != self.layout.fingerprint:
@@ -330,7 +536,7 @@ class DecodeConnector:
             self._release(peer, params)
         self._count(
             pulls=1,
-            held_blocks=sum(skip),
+            held_blocks=sum(skip) - staged,
             bytes=stats.bytes,
             messages=stats.messages,
             seconds=stats.seconds,
@@ -388,6 +594,9 @@ class DecodeConnector:
         return lost
 
     def close(self) -> None:
+        with self._lock:  # staged loads stop at their next look
+            self._closing = True
+        self._staged.shutdown(wait=False, cancel_futures=True)
         self._pulls.shutdown(wait=True, cancel_futures=True)
         self._control.shutdown(wait=False, cancel_futures=True)
         with self._lock:
@@ -402,3 +611,7 @@ def _rpc_error(e: grpc.RpcError) -> str:
     code = e.code() if hasattr(e, "code") else None
     details = e.details() if hasattr(e, "details") else str(e)
     return f"{code.name if code else 'error'}: {details}"
+
+
+class _Refused(Exception):
+    """The prefill worker refused or voided a staged pull (its blocks changed)."""

@@ -3,6 +3,14 @@
 request_finished_all_groups ──► lease(request id, token, blocks, expiry)
 PullKV(token, dst blocks) ──► UCX send of contiguous runs ──► reply (bytes, messages)
 Release / Abort / lease expiry ──► free the blocks (exactly once)
+
+Overlap (a Prefill that carries a transfer token): while the request computes, the engine
+publishes its progress here (`stage_*`, engine thread); a decode worker follows it
+(`progress`) and pulls the full-attention blocks whose tokens are computed
+(`pull_stage`). A block's KV never changes once computed, so a staged send is exact unless
+the blocks were freed meanwhile (preemption): each free moves the request's epoch on, and a
+send whose epoch moved before it ended is reported void (the decode side pulls those blocks
+again). Sliding-window blocks and state pages come only with the final pull.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ _REMEMBERED = 4096
 #: Fault injection for the tests only: "exit_during_pull" makes the process exit after
 #: sending part of a transfer; "zero_sends" sends zeros in place of the KV (the proof that
 #: decode's output depends on what it pulls), "zero_sends:MARK" only for the requests whose
-#: id contains MARK. Never set in production.
+#: id contains MARK; "slow_prefill:SECONDS" sleeps that long after each step of a staged
+#: request (so a test's decode worker sees its prefill in progress). Never set in production.
 _FAULT, _, _FAULT_MARK = os.environ.get("HYBRID_PD_INJECT_FAULT", "").partition(":")
 
 
@@ -71,6 +80,30 @@ class Lease:
     pulling: int = 0
     #: Released or aborted while a pull was sending: free when the pull ends.
     free_after_pull: bool = False
+    first_token: int = -1
+    #: The staging epoch the blocks were computed under (0: the request was not staged).
+    epoch: int = 0
+
+
+@dataclass
+class _Stage:
+    """A request in prefill whose decode worker may pull its computed blocks early."""
+
+    token: str
+    epoch: int = 1
+    computed: int = 0
+    block_ids: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What `PrefillConnector.progress` tells a decode worker about a staged request."""
+
+    state: str  # "waiting", "running", "kept" or "ended"
+    epoch: int = 0
+    computed: int = 0
+    block_ids: tuple[tuple[int, ...], ...] = ()
+    first_token: int = -1
 
 
 @dataclass(frozen=True)
@@ -123,6 +156,9 @@ class PrefillConnector:
         # came before their keep (id -> token); both bounded, oldest dropped first.
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._early_aborts: OrderedDict[str, str] = OrderedDict()
+        self._stages: dict[str, _Stage] = {}
+        #: The groups a staged pull may send: full attention (a computed block is final).
+        self._stageable = tuple(g.kind == "full" for g in layout.groups)
         self.stats = {
             "handed_over": 0,
             "pulled": 0,
@@ -132,13 +168,17 @@ class PrefillConnector:
             "bad_token": 0,
             "bytes_sent": 0,
             "messages_sent": 0,
+            "staged": 0,  # requests whose progress decode could follow
+            "staged_pulls": 0,
+            "staged_bytes": 0,
+            "staged_void": 0,  # staged sends whose blocks were freed meanwhile
         }
 
     # -- SupportsHMA ------------------------------------------------------------------------
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
         kept = tuple(tuple(b for b in g if b != NULL_BLOCK_ID) for g in block_ids)
-        token = secrets.token_urlsafe(32)
-        self.keep(request.request_id, token, kept)
+        token = getattr(request, "stage_token", None) or secrets.token_urlsafe(32)
+        self.keep(request.request_id, token, kept, first_token=request.output_ids[0])
         params = KVTransferParams(
             request_id=request.request_id,
             block_ids=kept,
@@ -152,11 +192,22 @@ class PrefillConnector:
         )
         return True, params.to_dict()
 
-    def keep(self, request_id: str, token: str, block_ids: tuple[tuple[int, ...], ...]) -> None:
+    def keep(
+        self,
+        request_id: str,
+        token: str,
+        block_ids: tuple[tuple[int, ...], ...],
+        first_token: int = -1,
+    ) -> None:
         """Hold `block_ids` (per group, null blocks dropped) for a decode worker that shows
         `token`, until released, aborted or expired."""
-        lease = Lease(request_id, token, block_ids, self._clock() + self.lease_s)
+        lease = Lease(
+            request_id, token, block_ids, self._clock() + self.lease_s, first_token=first_token
+        )
         with self._lock:
+            stage = self._stages.pop(request_id, None)
+            if stage is not None:
+                lease.epoch = stage.epoch
             self.stats["handed_over"] += 1
             early = self._early_aborts.pop(request_id, None)
             if early is None or not hmac.compare_digest(early.encode(), token.encode()):
@@ -178,17 +229,147 @@ class PrefillConnector:
             if left <= 0 or not self._kept.wait(left):
                 return
 
+    # -- staging (engine thread) ------------------------------------------------------------
+    def stage_begin(self, request_id: str, token: str) -> None:
+        """A request admitted with a transfer token: decode may follow its progress."""
+        with self._lock:
+            self._stages[request_id] = _Stage(token)
+            self.stats["staged"] += 1
+            self._kept.notify_all()
+
+    def stage_progress(
+        self, request_id: str, num_computed: int, block_ids: Sequence[Sequence[int]]
+    ) -> None:
+        """After a step: the prompt tokens computed and the request's blocks per group."""
+        if _FAULT == "slow_prefill":
+            time.sleep(float(_FAULT_MARK))
+        with self._lock:
+            stage = self._stages.get(request_id)
+            if stage is None:
+                return
+            stage.computed = num_computed
+            stage.block_ids = tuple(
+                tuple(g) if ok else () for g, ok in zip(block_ids, self._stageable, strict=True)
+            )
+
+    def stage_reset(self, request_id: str) -> None:
+        """The request's blocks were freed (preempted; it will be computed again): blocks
+        staged before now must be pulled again. Call before anything can reuse them."""
+        with self._lock:
+            stage = self._stages.get(request_id)
+            if stage is not None:
+                stage.epoch += 1
+                stage.computed = 0
+                stage.block_ids = ()
+
+    def stage_end(self, request_id: str) -> None:
+        """The request ended without keeping its KV (its first token finished it, it was
+        aborted or it failed). Call before its blocks can be reused."""
+        with self._lock:
+            if self._stages.pop(request_id, None) is not None:
+                _bounded_put(self._ended, request_id, None)
+
+    def progress(self, request_id: str, token: str) -> Progress:
+        """Where a staged request is (any thread; raises TransferFailed on a wrong token)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None:
+                self._lease(request_id, token)
+                return Progress(
+                    "kept", lease.epoch, 0, lease.block_ids, first_token=lease.first_token
+                )
+            stage = self._stages.get(request_id)
+            if stage is not None:
+                self._check_token(stage.token, token, request_id)
+                return Progress("running", stage.epoch, stage.computed, stage.block_ids)
+            return Progress("ended" if request_id in self._ended else "waiting")
+
+    def _epoch_of(self, request_id: str) -> int:
+        """Under the lock: the staging epoch whose blocks `request_id` holds now (0: none)."""
+        stage = self._stages.get(request_id)
+        if stage is not None:
+            return stage.epoch
+        lease = self._leases.get(request_id)
+        return lease.epoch if lease is not None else 0
+
+    def pull_stage(
+        self,
+        request_id: str,
+        token: str,
+        epoch: int,
+        start: Sequence[int],
+        end: Sequence[int],
+        dst_blocks: list[list[int]],
+        peer: bytes,
+        tag: int,
+        timeout: float = 30.0,
+        message_regions: Sequence[int] = (),
+    ) -> PullResult:
+        """Send group g's computed full-attention blocks start[g] .. end[g] of a request
+        still in prefill (or just kept) into `dst_blocks[g]`. Raises TransferFailed when the
+        epoch is not the request's, or moved while sending (the bytes sent are void)."""
+        with self._lock:
+            stage = self._stages.get(request_id)
+            if stage is not None:
+                self._check_token(stage.token, token, request_id)
+                blocks, computed, now = stage.block_ids, stage.computed, stage.epoch
+            else:
+                lease = self._lease(request_id, token)
+                blocks, computed, now = lease.block_ids, 1 << 62, lease.epoch
+            if now != epoch:
+                self.stats["staged_void"] += 1
+                raise TransferFailed(f"request {request_id}: its blocks changed (preempted)")
+            src = self._stage_src(blocks, computed, start, end)
+        try:
+            runs = self._plan.runs(src, dst_blocks)
+        except ValueError as e:
+            raise TransferFailed(f"request {request_id}: {e}") from e
+        messages = self._messages(runs, message_regions, request_id, peer, tag)
+        self.transport.send(peer, tag, messages, timeout)
+        nbytes = self._plan.nbytes(runs)
+        with self._lock:
+            if self._epoch_of(request_id) != epoch:
+                self.stats["staged_void"] += 1
+                raise TransferFailed(f"request {request_id}: its blocks were freed while sent")
+            self.stats["staged_pulls"] += 1
+            self.stats["staged_bytes"] += nbytes
+            self.stats["bytes_sent"] += nbytes
+            self.stats["messages_sent"] += len(messages)
+        return PullResult(nbytes, len(messages))
+
+    def _stage_src(self, blocks, computed: int, start, end) -> list[list[int]]:
+        """Under the lock: the source blocks of a staged pull (TransferFailed names what
+        does not fit)."""
+        bs = self.layout.block_size
+        if len(start) != len(self._stageable) or len(end) != len(self._stageable):
+            raise TransferFailed(f"a staged pull names {len(start)} / {len(end)} groups")
+        src = []
+        for g, (a, b, ok) in enumerate(zip(start, end, self._stageable, strict=True)):
+            have = blocks[g] if g < len(blocks) else ()
+            if a == b:
+                src.append([])
+                continue
+            if not ok or not 0 <= a < b <= len(have) or b * bs > computed:
+                raise TransferFailed(
+                    f"group {g}: blocks {a}..{b} are not computed full-attention blocks"
+                )
+            src.append(list(have[a:b]))
+        return src
+
     # -- control handlers -------------------------------------------------------------------
+    def _check_token(self, expected: str, token: str, request_id: str) -> None:
+        if not hmac.compare_digest(expected.encode(), token.encode()):
+            self.stats["bad_token"] += 1
+            logger.warning("rejected a KV call for %s: wrong transfer token", request_id)
+            raise TransferFailed(f"wrong transfer token for request {request_id!r}")
+
     def _lease(self, request_id: str, token: str) -> Lease:
         lease = self._leases.get(request_id)
         if lease is None:
             raise TransferFailed(
                 f"no KV kept for request {request_id!r} (expired, released or never handed over)"
             )
-        if not hmac.compare_digest(lease.token.encode(), token.encode()):
-            self.stats["bad_token"] += 1
-            logger.warning("rejected a KV call for %s: wrong transfer token", request_id)
-            raise TransferFailed(f"wrong transfer token for request {request_id!r}")
+        self._check_token(lease.token, token, request_id)
         return lease
 
     def pull(

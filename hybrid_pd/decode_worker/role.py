@@ -73,7 +73,8 @@ class DecodeRole:
         policy = policy or self.failure_policy
         if policy not in POLICIES:
             raise ValueError(f"failure_policy must be one of {POLICIES}")
-        kwargs = {"output_ids": [kv.first_token], "remote_kv": kv, "on_load_failure": policy}
+        first = [] if kv.staged else [kv.first_token]  # staged: the load brings it
+        kwargs = {"output_ids": first, "remote_kv": kv, "on_load_failure": policy}
         return kv.request_id, kwargs
 
     def dropped(self, request) -> None:

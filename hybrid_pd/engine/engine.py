@@ -125,6 +125,7 @@ class Engine:
         output_ids: Sequence[int] = (),
         remote_kv: Any = None,
         on_load_failure: str = "recompute",
+        stage_token: str | None = None,
     ) -> str:
         """Queue a request; raises ValueError (and queues nothing) if it can never run.
 
@@ -133,16 +134,27 @@ class Engine:
         Without `remote_kv` they are recomputed with the prompt. With `remote_kv` (decode
         role) the prompt's KV is loaded through the connector's worker side when the
         request's turn comes, and decoding continues after `output_ids` (the first token);
-        if the load fails, `on_load_failure` says whether to recompute or fail.
+        if the load fails, `on_load_failure` says whether to recompute or fail. Staged
+        `remote_kv` (the prefill still runs) comes without the first token: the load
+        brings it.
+
+        `stage_token` (prefill role, with `remote_decode`): a decode worker showing this
+        token may follow the prefill and pull its computed blocks while it runs; the kept
+        KV's transfer token is this one.
         """
         req = self._new_request(prompt_ids, params, request_id, output_ids)
         if remote_decode and self.connector.scheduler is None:
             raise ValueError("remote_decode needs an engine with a prefill connector")
+        if stage_token and not (remote_decode and hasattr(self.connector.scheduler, "stage_begin")):
+            raise ValueError("a transfer token needs remote_decode and a staging connector")
         if remote_kv is not None:
             if self.connector.worker is None:
                 raise ValueError("remote KV needs an engine with a decode connector")
-            if len(output_ids) != 1:
-                raise ValueError("a request with remote KV starts from exactly one token")
+            if len(output_ids) != (0 if getattr(remote_kv, "staged", False) else 1):
+                raise ValueError(
+                    "a request with remote KV starts from exactly one token "
+                    "(none while its prefill is staged)"
+                )
             if on_load_failure not in ("recompute", "fail"):
                 raise ValueError("failure policy must be 'recompute' or 'fail'")
             req.remote_kv = remote_kv
@@ -150,6 +162,9 @@ class Engine:
         req.remote_decode = remote_decode
         self.scheduler.add(req)
         self.requests[req.request_id] = req
+        if stage_token:
+            req.stage_token = stage_token
+            self.connector.scheduler.stage_begin(req.request_id, stage_token)
         return req.request_id
 
     def _new_request(
@@ -185,7 +200,7 @@ class Engine:
     def abort(self, request_id: str) -> Request | None:
         """Drop a request wherever it is; returns it (None when unknown or finished)."""
         req = self.scheduler.abort(request_id)
-        self.requests.pop(request_id, None)
+        self._unstage(self.requests.pop(request_id, None))
         return req
 
     def fail_all(self) -> list[str]:
@@ -194,8 +209,13 @@ class Engine:
         failed = list(self.requests)
         for rid in failed:
             self.scheduler.abort(rid, keep_cached=False)
-            self.requests.pop(rid)
+            self._unstage(self.requests.pop(rid))
         return failed
+
+    def _unstage(self, req: Request | None) -> None:
+        """A staged prefill ends without keeping its KV: decode must stop following it."""
+        if req is not None and req.stage_token:
+            self.connector.scheduler.stage_end(req.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -219,6 +239,9 @@ class Engine:
         sched = self.scheduler.schedule()
         for req, ids, held in sched.loads:
             self.connector.worker.start_load_kv(req.request_id, req.remote_kv, ids, held)
+        for rid in sched.preempted:  # before this step's model run can reuse their blocks
+            if getattr(self.requests.get(rid), "stage_token", None):
+                self.connector.scheduler.stage_reset(rid)
         if ended or sched.loads or sched.seqs or sched.preempted:
             self.num_steps_with_work += 1
         if not sched.seqs:
@@ -259,6 +282,13 @@ class Engine:
                 scored = dict(zip(rows, values, strict=True))
         for seq in sched.seqs:
             self.scheduler.commit(seq)
+            req = seq.request
+            if req.stage_token:
+                rid = req.request_id
+                computed = min(req.num_computed, len(req.prompt_ids))
+                self.connector.scheduler.stage_progress(
+                    rid, computed, self.kv.block_ids(RequestId(rid))
+                )
         for j, (i, token) in enumerate(zip(sampling, tokens, strict=True)):
             req = sched.seqs[i].request
             req.append_token(token, scored.get(j))
@@ -266,6 +296,7 @@ class Engine:
             if req.finish_reason is None and req.remote_decode:
                 self._hand_over(req)
             elif req.finish_reason is not None:
+                self._unstage(req)
                 self.scheduler.finish(req)
                 self.requests.pop(req.request_id, None)
             outputs.append(self._output(req))
@@ -297,7 +328,7 @@ class Engine:
             req = self.scheduler.receiving.get(res.request_id)
             if req is not None:
                 req.load_result = res
-            done = self.scheduler.finish_load(res.request_id, res.error)
+            done = self.scheduler.finish_load(res.request_id, res.error, res.first_token)
             if done is not None:
                 self.requests.pop(done.request_id, None)
                 if done.finish_reason == "error":

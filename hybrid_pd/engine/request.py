@@ -36,6 +36,9 @@ class Request:
     num_cached_tokens: int = 0
     #: Prefill role: stop after the first token and hand the KV to a decode worker.
     remote_decode: bool = False
+    #: Prefill role, overlap: the transfer token a decode worker shows to follow this
+    #: request's progress and pull its computed blocks before the prefill ends.
+    stage_token: str | None = None
     #: Set when the KV was handed over: what the decode worker needs to pull it.
     kv_transfer_params: dict | None = None
     #: Decode role: where the prompt's KV comes from (opaque to the engine, handed to the

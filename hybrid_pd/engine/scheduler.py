@@ -138,10 +138,15 @@ class Scheduler:
             return req
         return None
 
-    def finish_load(self, rid: str, error: str | None) -> Request | None:
+    def finish_load(
+        self, rid: str, error: str | None, first_token: int | None = None
+    ) -> Request | None:
         """A remote KV load ended. Success: the request runs from prompt + first token.
         Failure: its blocks are freed without caching anything they hold, then the request
         is recomputed from its prompt (ahead of the queue) or finished with `error`.
+        A staged request (added without its first token) takes `first_token` from the load;
+        when the load never learned it, the request fails whatever its policy (recomputing
+        would sample a first token of its own, not the one the client has).
         Returns the request when it finished here (failed, or aborted meanwhile)."""
         req = self.receiving.pop(rid, None)
         if req is None:
@@ -149,6 +154,14 @@ class Scheduler:
         if req.finished:  # aborted while loading
             self.kv.free(RequestId(rid), keep_cached=False)
             return req
+        if not req.output_ids:
+            if first_token is None:
+                error = error or "the load did not bring the first token"
+                self.kv.free(RequestId(rid), keep_cached=False)
+                return self._fail_load(req, error)
+            req.all_ids.append(first_token)
+            if req.logprobs is not None:
+                req.logprobs.append(None)
         if error is None:
             self.kv.commit_computed(RequestId(rid), req.num_computed)
             req.remote_kv = None
@@ -164,6 +177,11 @@ class Scheduler:
             self.waiting.appendleft(req)
             logger.warning("KV load of %s failed (%s): recomputing its prompt", rid, error)
             return None
+        return self._fail_load(req, error)
+
+    @staticmethod
+    def _fail_load(req: Request, error: str) -> Request:
+        req.remote_kv = None
         req.status = Status.FINISHED
         req.finish_reason = "error"
         req.error = f"KV transfer failed: {error}"

@@ -95,6 +95,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=_cmd_bench_transfer)
     from hybrid_pd.launcher.bench_load import add_load_parser
     from hybrid_pd.launcher.bench_multiturn import add_multiturn_parser
+    from hybrid_pd.launcher.bench_overlap import add_overlap_parser
     from hybrid_pd.launcher.bench_proxy import add_proxy_parser
     from hybrid_pd.launcher.bench_serve import add_serve_parser
 
@@ -102,6 +103,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     add_load_parser(bsub)
     add_proxy_parser(bsub)
     add_multiturn_parser(bsub)
+    add_overlap_parser(bsub)
 
 
 def bench_kvcache(

@@ -395,6 +395,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="proxy: prefix (KV-aware: the workers likely to cache a request's longest "
         "prefix, load permitting) or load (least loaded only); default prefix",
     )
+    p.add_argument(
+        "--overlap-transfer",
+        action="store_true",
+        default=None,
+        help="proxy: "
+        + "start the decode leg beside the prefill and pull full-attention blocks as their "
+        "chunks finish, instead of after the whole prompt (engine hybrid-pd)",
+    )
     _add_log_flags(p)
     p.set_defaults(func=_cmd_serve)
 
@@ -451,6 +459,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "max_fallback_prefills",
         "max_migrations",
         "kv_routing",
+        "overlap_transfer",
         "log_level",
         "engine",
         "vllm_python",

@@ -215,6 +215,7 @@ class Deployment:
             max_fallback_prefills=config.max_fallback_prefills,
             max_migrations=config.max_migrations,
             kv_routing=config.kv_routing,
+            overlap_transfer=config.overlap_transfer,
         )
         self.pool = WorkerPool.from_config(proxy_config)
         self.proxy = ProxyHandle(proxy_config, self.pool, drain_s=DRAIN_S).start()

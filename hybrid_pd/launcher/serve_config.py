@@ -105,6 +105,8 @@ class ServeConfig:
     max_migrations: int = 3
     #: Proxy: "prefix" (KV-aware routing) or "load"; see ProxyConfig.kv_routing.
     kv_routing: str = "prefix"
+    #: Proxy: overlap the KV hand-over with prefill; see ProxyConfig.overlap_transfer.
+    overlap_transfer: bool = False
     #: Logging of the launcher, the proxy (its access log included) and the workers:
     #: debug, info, warning or error.
     log_level: str = "info"
@@ -129,6 +131,8 @@ class ServeConfig:
             raise ValueError("max_fallback_prefills and max_migrations must be >= 0")
         if self.kv_routing not in ("prefix", "load"):
             raise ValueError(f"kv_routing must be 'prefix' or 'load', got {self.kv_routing!r}")
+        if self.overlap_transfer and self.engine == "vllm":
+            raise ValueError("overlap_transfer applies to engine hybrid-pd only")
         if self.queue_timeout_s <= 0:
             raise ValueError("queue_timeout_s must be > 0")
         if self.prefill < 0 or self.decode < 1:

@@ -59,6 +59,11 @@ class KVControlStub:
                 request_serializer=hybrid__pd_dot_proto_dot_kv__control__pb2.AbortRequest.SerializeToString,
                 response_deserializer=hybrid__pd_dot_proto_dot_kv__control__pb2.AbortReply.FromString,
                 _registered_method=True)
+        self.Progress = channel.unary_unary(
+                '/hybridpd.kv.KVControl/Progress',
+                request_serializer=hybrid__pd_dot_proto_dot_kv__control__pb2.ProgressRequest.SerializeToString,
+                response_deserializer=hybrid__pd_dot_proto_dot_kv__control__pb2.ProgressReply.FromString,
+                _registered_method=True)
 
 
 class KVControlServicer:
@@ -99,6 +104,16 @@ class KVControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Progress(self, request, context):
+        """A request still in prefill (its Prefill carried a transfer token): how many prompt
+        tokens are computed and its blocks now; answers once min_tokens are computed, the
+        prefill ended, or wait_s passed (long-poll). Decode pulls finished full-attention
+        blocks with a staged PullKV while later chunks compute.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +141,11 @@ def add_KVControlServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=hybrid__pd_dot_proto_dot_kv__control__pb2.AbortRequest.FromString,
                     response_serializer=hybrid__pd_dot_proto_dot_kv__control__pb2.AbortReply.SerializeToString,
+            ),
+            'Progress': grpc.unary_unary_rpc_method_handler(
+                    servicer.Progress,
+                    request_deserializer=hybrid__pd_dot_proto_dot_kv__control__pb2.ProgressRequest.FromString,
+                    response_serializer=hybrid__pd_dot_proto_dot_kv__control__pb2.ProgressReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +283,33 @@ class KVControl:
             '/hybridpd.kv.KVControl/Abort',
             hybrid__pd_dot_proto_dot_kv__control__pb2.AbortRequest.SerializeToString,
             hybrid__pd_dot_proto_dot_kv__control__pb2.AbortReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Progress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridpd.kv.KVControl/Progress',
+            hybrid__pd_dot_proto_dot_kv__control__pb2.ProgressRequest.SerializeToString,
+            hybrid__pd_dot_proto_dot_kv__control__pb2.ProgressReply.FromString,
             options,
             channel_credentials,
             insecure,

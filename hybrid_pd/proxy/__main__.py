@@ -42,6 +42,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "loaded only (default prefix)",
     )
     p.add_argument(
+        "--overlap-transfer",
+        action="store_true",
+        help="start the decode leg beside the prefill and pull full-attention blocks as their "
+        "chunks finish, instead of after the whole prompt (engine hybrid-pd)",
+    )
+    p.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         help="logging, the access log included (default info)",
@@ -62,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         min_prefill_tokens=args.min_prefill_tokens,
         max_model_len=args.max_model_len,
         kv_routing=args.kv_routing,
+        overlap_transfer=args.overlap_transfer,
     )
     run_proxy(config)
     return 0

@@ -62,6 +62,9 @@ class ProxyConfig:
     kv_routing: str = "prefix"
     kv_routing_max_imbalance: int = 4
     kv_routing_load_weight: float = 0.5
+    #: Overlap the KV hand-over with prefill: the decode leg starts beside the Prefill and
+    #: pulls full-attention blocks as their chunks finish (our engine's workers only).
+    overlap_transfer: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_addresses", "decode_addresses"):

@@ -12,6 +12,12 @@ decode worker. Short prompts: Generate alone. What keeps a request alive:
   produced to another decode worker (or the restarted one) and the client's stream goes on
   where it was (greedy output unchanged), at most `max_migrations` times.
 
+Overlap (`overlap_transfer`): the first Prefill carries a transfer token and the decode leg
+starts at once with staged kv_transfer_params, pulling computed blocks while the prompt
+computes. Should the prefill fail, the staged leg is dropped and the ordinary path runs;
+should the staged leg fail before its first token, an ordinary decode leg takes over with
+the prefill's params.
+
 Every wait is bounded; `Job.close()` (always called) cancels what is in flight and aborts
 the request on the workers it reached, unless it finished there.
 """
@@ -21,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 
+from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams, TokenLogprob
 from hybrid_pd.api.wire import logprob_from_pb
 from hybrid_pd.proxy import access_log
@@ -34,6 +42,7 @@ from hybrid_pd.proxy.errors import ProxyError, overloaded
 from hybrid_pd.proxy.legs import Leg, Pump, wait_grpc_future
 from hybrid_pd.proxy.metrics import ProxyMetrics
 from hybrid_pd.proxy.routing import (
+    DecodeCall,
     WorkerPool,
     WorkerState,
     prepare_decode_request,
@@ -110,6 +119,8 @@ class Job:
         #: Addresses of the workers that served it (the last one of each kind), for the log.
         self.prefill_worker = ""
         self.decode_worker = ""
+        #: Overlap: the decode leg started beside the prefill (worker, call, leg, pump).
+        self.staged: tuple[WorkerState, DecodeCall, Leg, Pump] | None = None
         access_log.attach(self)
 
     # -- the stream -------------------------------------------------------------------------
@@ -130,6 +141,8 @@ class Job:
             self.route = "disaggregated" if prefill is not None else "fallback"
         else:
             self.route = "decode_only"
+        if prefill is None or prefill.finished:
+            self._drop_staged()  # nothing to hand over
         d.metrics.routes.labels(self.route).inc()
         if prefill is not None:
             self._observe(1)
@@ -171,8 +184,13 @@ class Job:
             attempt += 1
             await asyncio.to_thread(d.pool.note_tokens, worker, self.prompt_ids)
             self.prefill_worker = worker.address
+            token = secrets.token_urlsafe(32) if self._may_stage(attempt) else ""
             future = worker.client.prefill_future(
-                call.request_id, call.prompt_ids, call.sampling, d.config.prefill_timeout_s
+                call.request_id,
+                call.prompt_ids,
+                call.sampling,
+                d.config.prefill_timeout_s,
+                transfer_token=token,
             )
             leg = self._add_leg(
                 Leg(
@@ -185,6 +203,8 @@ class Job:
                     d.config.control_timeout_s,
                 )
             )
+            if token:
+                await self._start_staged(worker, call.request_id, token)
             try:
                 reply = await wait_grpc_future(future)
             except grpc.FutureCancelledError:  # close() cancelled it
@@ -192,6 +212,7 @@ class Job:
                 raise
             except grpc.RpcError as e:
                 self._check_open()  # our own cancel (close) is no failure to retry
+                self._drop_staged()  # a retry (or the fallback) runs the ordinary way
                 code = e.code()
                 if code == _FULL:  # alive, queue full: not an error, look again
                     leg.release()
@@ -219,6 +240,7 @@ class Job:
             try:
                 result = prefill_result(reply)
             except ValueError as e:  # a worker that answers this is broken, not busy
+                self._drop_staged()
                 leg.abort()
                 raise ProxyError(
                     500, f"prefill worker {worker.address} sent {e}", kind="prefill_error"
@@ -226,6 +248,38 @@ class Job:
             leg.release()
             d.pool.mark_ok(worker)
             return result
+
+    def _may_stage(self, attempt: int) -> bool:
+        """Overlap this request's hand-over with its prefill: only the first attempt, and
+        only when a decode leg will follow (more than one token) and the prefill alone
+        scores the prompt (prompt logprobs come with its reply)."""
+        p = self.params
+        return (
+            self.d.config.overlap_transfer
+            and attempt == 1
+            and p.max_tokens > 1
+            and p.prompt_logprobs is None
+        )
+
+    async def _start_staged(self, prefill: WorkerState, prefill_rid: str, token: str) -> None:
+        """Start the decode leg beside the prefill, with staged kv_transfer_params; none
+        when no decode worker has room now (the hand-over then waits for the prefill)."""
+        d = self.d
+        worker = await asyncio.to_thread(d.pool.pick_decode, (), self.prompt_ids)
+        if worker is None:
+            return
+        kv = KVTransferParams.for_staging(prefill_rid, self.prompt_ids, prefill.address, token)
+        call = prepare_decode_request(
+            self.rid, self.prompt_ids, self.params, None, d.config.failure_policy
+        )
+        call = dataclasses.replace(call, request_id=f"{self.rid}-ds", kv_transfer_params=kv)
+        leg, pump = await self._open_decode_leg(worker, call, with_kv=True)
+        self.staged = (worker, call, leg, pump)
+
+    def _drop_staged(self) -> None:
+        if self.staged is not None:
+            self.staged[2].abort()
+            self.staged = None
 
     def _take_fallback(self) -> bool:
         d = self.d
@@ -240,31 +294,42 @@ class Job:
         d = self.d
         attempt = 0
         deadline = time.monotonic() + d.config.queue_timeout_s
+        staged, self.staged = self.staged, None
         while True:
             self._check_open()
-            worker = await self._pick_decode(deadline)
-            params = self.params
-            if self.prompt_logprobs is not None:  # scored already: no leg computes them again
-                params = dataclasses.replace(params, prompt_logprobs=None)
-            call = prepare_decode_request(
-                self.rid,
-                self.prompt_ids,
-                params,
-                prefill,
-                d.config.failure_policy,
-                attempt,
-                output_ids=() if prefill is not None else self.produced,
-            )
-            attempt += 1
+            opened = None
+            if staged is not None:  # started beside the prefill (overlap)
+                worker, call, *opened = staged
+                staged = None
+            else:
+                worker = await self._pick_decode(deadline)
+                params = self.params
+                if self.prompt_logprobs is not None:  # scored already: not computed again
+                    params = dataclasses.replace(params, prompt_logprobs=None)
+                call = prepare_decode_request(
+                    self.rid,
+                    self.prompt_ids,
+                    params,
+                    prefill,
+                    d.config.failure_policy,
+                    attempt,
+                    output_ids=() if prefill is not None else self.produced,
+                )
+                attempt += 1
             await asyncio.to_thread(d.pool.note_tokens, worker, self.prompt_ids)
             self.decode_worker = worker.address
             try:
-                async for event in self._decode_leg(worker, call, prefill is not None):
+                async for event in self._decode_leg(worker, call, prefill is not None, opened):
                     yield event
                 # What it computed stays in its prefix cache: the next turn's prefix.
                 await asyncio.to_thread(d.pool.note_tokens, worker, self.prompt_ids + self.produced)
                 return
+            except ProxyError as e:
+                if not self._staged_fell_back(opened, e):
+                    raise
             except _Migrate as e:
+                if self._staged_fell_back(opened, e):
+                    continue
                 self.migrations += 1
                 if self.migrations > d.config.max_migrations:
                     raise ProxyError(
@@ -285,11 +350,23 @@ class Job:
                 prefill = None  # resume from prompt + produced tokens, recomputed
                 deadline = time.monotonic() + d.config.queue_timeout_s
             except _Full:
+                if self._staged_fell_back(opened, "its queue was full"):
+                    continue
                 # The deadline holds on this path too: a worker whose full-backoff has
                 # ended is picked again at once, so _pick_decode alone would never see it.
                 if time.monotonic() > deadline:
                     raise overloaded("every decode worker is busy; retry later") from None
                 continue
+
+    def _staged_fell_back(self, opened, why) -> bool:
+        """Whether a failed leg was the staged one, before any token of its own: then an
+        ordinary leg takes the prefill's params (its kept KV, or a recompute from the
+        first token), and the failure counts as no migration."""
+        if opened is None or len(self.produced) > 1:
+            return False
+        self.d.metrics.failure("staged_fallback")
+        logger.warning("request %s: the staged decode leg failed (%s)", self.rid, why)
+        return True
 
     async def _pick_decode(self, deadline: float) -> WorkerState:
         """A live decode worker with room, waiting until `deadline` while all are full or
@@ -307,7 +384,8 @@ class Job:
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, _BACKOFF_CAP_S)
 
-    async def _decode_leg(self, worker: WorkerState, call, with_kv: bool):
+    async def _open_decode_leg(self, worker: WorkerState, call, with_kv: bool):
+        """Start a Generate stream on `worker`: (its Leg, the Pump that reads it)."""
         d = self.d
         if with_kv:
             source = call.kv_transfer_params.control_address
@@ -332,7 +410,11 @@ class Job:
                 abort_timeout_s=d.config.control_timeout_s,
             )
         )
-        pump = Pump(stream, asyncio.get_running_loop())
+        return leg, Pump(stream, asyncio.get_running_loop())
+
+    async def _decode_leg(self, worker: WorkerState, call, with_kv: bool, opened=None):
+        d = self.d
+        leg, pump = opened or await self._open_decode_leg(worker, call, with_kv)
         # The worker sends every output token from the first, the ones it resumed from
         # (the prefill's first token, or a migrated stream's) included.
         seen: list[int] = []

@@ -53,9 +53,15 @@ class WorkerClient:
         prompt_ids: list[int],
         sampling: pb.Sampling,
         timeout_s: float | None = None,
+        transfer_token: str = "",
     ) -> PrefillResult:
         reply = self._stub.Prefill(
-            pb.PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling),
+            pb.PrefillRequest(
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                sampling=sampling,
+                transfer_token=transfer_token,
+            ),
             timeout=timeout_s or self.timeout_s,
             metadata=self._metadata,
         )
@@ -67,11 +73,18 @@ class WorkerClient:
         prompt_ids: list[int],
         sampling: pb.Sampling,
         timeout_s: float | None = None,
+        transfer_token: str = "",
     ) -> grpc.Future:
         """Non-blocking Prefill: a grpc.Future of the PrefillReply (`prefill_result` parses
-        it); cancelling the future cancels the RPC, which drops the request on the worker."""
+        it); cancelling the future cancels the RPC, which drops the request on the worker.
+        `transfer_token`: a decode worker showing it may follow the prefill (overlap)."""
         return self._stub.Prefill.future(
-            pb.PrefillRequest(request_id=request_id, prompt_ids=prompt_ids, sampling=sampling),
+            pb.PrefillRequest(
+                request_id=request_id,
+                prompt_ids=prompt_ids,
+                sampling=sampling,
+                transfer_token=transfer_token,
+            ),
             timeout=timeout_s or self.timeout_s,
             metadata=self._metadata,
         )
@@ -113,6 +126,7 @@ class WorkerClient:
                     "seconds": t.seconds,
                     "recomputed": t.recomputed,
                     "held_tokens": t.held_tokens,
+                    "staged_bytes": t.staged_bytes,
                 }
             if chunk.finished:
                 out.finish_reason = chunk.finish_reason

@@ -42,6 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens one engine step computes at most (a long prompt is prefilled in chunks "
+        "of this size)",
+    )
+    p.add_argument(
         "--secret",
         default=None,
         help=f"control-plane secret (visible in ps: prefer --secret-file or ${SECRET_ENV})",
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             held_state_rows_bytes=args.held_state_rows,
             block_size=args.block_size,
             max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             reuse_prefix_on_load=args.reuse_prefix_on_load,
         ),
         secret=secret,

@@ -116,12 +116,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self.w.prefill is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not a prefill worker")
         params = await _sampling(request.sampling, context)
+        if len(request.transfer_token) > 256:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_token is too long")
         stream = await self._open(
             context,
             list(request.prompt_ids),
             params,
             request.request_id or None,
             remote_decode=True,
+            stage_token=request.transfer_token or None,
         )
         try:
             out = await stream.next(self.w.config.request_timeout_s)
@@ -308,4 +311,5 @@ def _transfer_pb(out: RequestOutput) -> pb.TransferStats:
         messages=res.messages,
         seconds=res.seconds,
         held_tokens=out.num_cached_tokens,
+        staged_bytes=res.staged_bytes,
     )

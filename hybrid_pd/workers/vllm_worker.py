@@ -179,6 +179,12 @@ class _Servicer(pb_grpc.WorkerServicer):
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, "kv_transfer_params are for another prompt"
                 )
+            if kv.staged:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "a vLLM decode worker takes no staged kv_transfer_params (overlap_transfer "
+                    "needs engine hybrid-pd)",
+                )
             body = _body(await self._model_id(context), prompt, params, params.max_tokens)
             body["kv_transfer_params"] = _vllm_params(kv)
             resumed = [kv.first_token]

@@ -332,3 +332,92 @@ def test_pull_skips_the_blocks_decode_holds():
         with pytest.raises(TransferFailed):
             conn.pull("r", "tok", [[22], [30]], b"peer", 64, skip=bad)
     assert len(conn.transport.sent) == sent
+
+
+def _staged_keeper():
+    conn, freed = _late_keeper(keep_wait_s=0.0)
+    kinds = [g.kind for g in conn.layout.groups]
+    return conn, freed, kinds, kinds.index("full")
+
+
+def test_staged_pulls_send_only_computed_full_attention_blocks():
+    """While the request computes, a decode worker showing its token follows it and pulls
+    the full-attention blocks whose tokens are all computed; anything else is refused and
+    sends nothing."""
+    conn, _, kinds, full = _staged_keeper()
+    n = len(kinds)
+    assert conn.progress("r", "tok").state == "waiting"  # its Prefill is on its way
+    conn.stage_begin("r", "tok")
+    with pytest.raises(TransferFailed, match="wrong transfer token"):
+        conn.progress("r", "guess")
+    blocks = [[9] for _ in kinds]
+    blocks[full] = [5, 6, 7]
+    conn.stage_progress("r", 9, blocks)  # blocks of 4 tokens: two whole blocks computed
+    p = conn.progress("r", "tok")
+    assert (p.state, p.epoch, p.computed) == ("running", 1, 9)
+    assert p.block_ids[full] == (5, 6, 7) and all(
+        p.block_ids[g] == () for g in range(n) if g != full
+    )
+    start, end, dst = [0] * n, [0] * n, [[] for _ in kinds]
+    end[full], dst[full] = 2, [20, 21]
+    res = conn.pull_stage("r", "tok", 1, start, end, dst, b"peer", 64)
+    assert conn.transport.sent[-1][2] == [(5, 2)]
+    assert res.bytes == 2 * conn.layout.page_size_bytes
+    assert conn.stats["staged_pulls"] == 1 and conn.stats["staged_bytes"] == res.bytes
+    sent = len(conn.transport.sent)
+    end[full], dst[full] = 3, [20, 21, 22]  # block 2 holds one uncomputed token
+    with pytest.raises(TransferFailed, match="not computed"):
+        conn.pull_stage("r", "tok", 1, start, end, dst, b"peer", 64)
+    other = next(g for g in range(n) if g != full)
+    bad_end, bad_dst = [0] * n, [[] for _ in kinds]
+    bad_end[other], bad_dst[other] = 1, [30]
+    with pytest.raises(TransferFailed, match="not computed full-attention"):
+        conn.pull_stage("r", "tok", 1, [0] * n, bad_end, bad_dst, b"peer", 64)
+    with pytest.raises(TransferFailed, match="wrong transfer token"):
+        conn.pull_stage("r", "guess", 1, start, [0] * n, [[] for _ in kinds], b"peer", 64)
+    assert len(conn.transport.sent) == sent
+
+
+def test_a_preemption_voids_staged_blocks_and_the_kept_lease_names_its_epoch():
+    conn, freed, kinds, full = _staged_keeper()
+    n = len(kinds)
+    conn.stage_begin("r", "tok")
+    blocks = [[] for _ in kinds]
+    blocks[full] = [5, 6]
+    conn.stage_progress("r", 8, blocks)
+    start, end, dst = [0] * n, [0] * n, [[] for _ in kinds]
+    end[full], dst[full] = 2, [20, 21]
+    conn.stage_reset("r")  # preempted: its blocks were freed
+    assert conn.progress("r", "tok").epoch == 2 and conn.progress("r", "tok").computed == 0
+    with pytest.raises(TransferFailed, match="changed"):
+        conn.pull_stage("r", "tok", 1, start, end, dst, b"peer", 64)
+    assert not conn.transport.sent and conn.stats["staged_void"] == 1
+    # Preempted while the bytes were on their way: sent, then reported void.
+    conn.stage_progress("r", 8, blocks)
+    real_send = conn.transport.send
+
+    def send_then_preempt(*args):
+        real_send(*args)
+        conn.stage_reset("r")
+
+    conn.transport.send = send_then_preempt
+    with pytest.raises(TransferFailed, match="freed while sent"):
+        conn.pull_stage("r", "tok", 2, start, end, dst, b"peer", 64)
+    conn.transport.send = real_send
+    assert len(conn.transport.sent) == 1 and conn.stats["staged_void"] == 2
+    # Computed again under epoch 3 and kept: the lease carries the proxy's token, the
+    # first token and the epoch, and a staged pull of its blocks still works.
+    conn.stage_progress("r", 8, blocks)
+    req = _Req("r", [1] * 8, [7])
+    req.stage_token = "tok"
+    _, params = conn.request_finished_all_groups(req, tuple(b or [9] for b in blocks))
+    assert params["transfer_token"] == "tok"
+    p = conn.progress("r", "tok")
+    assert (p.state, p.epoch, p.first_token) == ("kept", 3, 7)
+    conn.pull_stage("r", "tok", 3, start, end, dst, b"peer", 64)
+    conn.release("r", "tok")
+    assert freed == ["r"]
+    # A staged request that ends without keeping (its first token finished it): "ended".
+    conn.stage_begin("q", "tok2")
+    conn.stage_end("q")
+    assert conn.progress("q", "tok2").state == "ended"

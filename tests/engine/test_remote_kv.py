@@ -376,3 +376,68 @@ def test_state_held_by_the_prefill_pool_reaches_the_decode_worker(loaded):
     assert source.pool.held_rows_total == 0
     rid = decode.add_request(prompt, PARAMS, "d", output_ids=[kv["first"]], remote_kv=kv)
     assert drive(decode, loads, complete_all)[rid].token_ids == want
+
+
+class StageRecorder(KeepAll):
+    """Prefill side with staging: records what the engine publishes."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def stage_begin(self, rid, token) -> None:
+        self.events.append(("begin", rid, token))
+
+    def stage_progress(self, rid, computed, block_ids) -> None:
+        self.events.append(("progress", rid, computed, tuple(map(tuple, block_ids))))
+
+    def stage_reset(self, rid) -> None:
+        self.events.append(("reset", rid))
+
+    def stage_end(self, rid) -> None:
+        self.events.append(("end", rid))
+
+
+def test_a_staged_prefill_publishes_its_progress_and_a_preemption_resets_it(checkpoint):
+    """The engine publishes a staged request's computed tokens and blocks after every step;
+    when a lease pins the pool and the request is preempted, it says so before anything can
+    reuse the blocks, and the progress starts over; a request that ends without keeping its
+    KV (aborted) is ended."""
+    model, config, tok = load_model(checkpoint("llama"))
+    rec = StageRecorder()
+    cfg = EngineConfig(kv_memory_bytes=2**18, max_num_batched_tokens=32)
+    engine = Engine(model, config, cfg, tok, KVConnector(scheduler=rec))
+    bs, usable = engine.kv.block_size, engine.kv.pool.num_blocks - 1
+    length = (usable * 6 // 10) * bs  # two prompts do not fit together
+    first, second = (prompt_of(engine, length // bs, seed) for seed in (1, 2))
+    a = engine.add_request(first, PARAMS, remote_decode=True, stage_token="ta")
+    b = engine.add_request(second, PARAMS, remote_decode=True, stage_token="tb")
+    kept: dict[str, dict] = {}
+    for _ in range(400):
+        for out in engine.step():
+            if out.finished:
+                kept[out.request_id] = out.kv_transfer_params
+        if a in kept and ("reset", b) in rec.events and engine.kv.has_request(a):
+            engine.free_request_blocks(a)  # decode pulled it: the pool is free again
+        if b in kept:
+            break
+    assert set(kept) == {a, b} and ("reset", b) in rec.events
+    assert ("begin", a, "ta") in rec.events and ("begin", b, "tb") in rec.events
+    # Per request, progress grows within an epoch and a reset starts it over; each
+    # published block list extends the one before; the last one is what was kept.
+    for rid in (a, b):
+        mine = [e for e in rec.events if e[1] == rid and e[0] in ("progress", "reset")]
+        last, blocks = 0, ()
+        for e in mine:
+            if e[0] == "reset":
+                last, blocks = 0, ()
+                continue
+            computed, ids = e[2], e[3][0]
+            assert computed > last and ids[: len(blocks)] == blocks
+            assert len(ids) * bs >= computed
+            last, blocks = computed, ids
+        assert last == length and blocks == kept[rid]["blocks"][0]
+    assert ("reset", a) not in rec.events
+    # Aborted while staged: ended.
+    c = engine.add_request(first[:40], PARAMS, remote_decode=True, stage_token="tc")
+    engine.abort(c)
+    assert rec.events[-1] == ("end", c)

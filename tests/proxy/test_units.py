@@ -131,7 +131,8 @@ def worker_stats(role: str) -> dict:
         out["leases"] = 2
         out["prefill_connector"] = dict.fromkeys(
             ("handed_over", "pulled", "released", "expired", "aborted", "bad_token"), 1
-        ) | {"bytes_sent": 1 << 40, "messages_sent": 7}
+        ) | {"bytes_sent": 1 << 40, "messages_sent": 7, "staged": 2, "staged_pulls": 5}
+        out["prefill_connector"] |= {"staged_bytes": 1 << 30, "staged_void": 1}
     if role in ("decode", "both"):
         out["decode_connector"] = {
             "pulls": 3,
@@ -141,6 +142,10 @@ def worker_stats(role: str) -> dict:
             "seconds": 0.5,
             "last_error": "wrong transfer token",
             "held_blocks": 4,
+            "staged_loads": 2,
+            "staged_pulls": 5,
+            "staged_bytes": 1 << 30,
+            "staged_void": 1,
         }
         out["peers"] = ["127.0.0.1:5001", "127.0.0.1:5002"]
     out["transport"] = {

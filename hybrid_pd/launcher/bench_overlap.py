@@ -1,0 +1,196 @@
+"""`hybrid-pd bench overlap`: a long prompt's hand-over with and without overlap.
+
+One prefill worker (prefilling in chunks of `--chunk` tokens) and one decode worker, two
+proxies in front of them: one plain, one with `overlap_transfer`. Each repetition sends one
+fresh prompt (no prefix-cache hits) through each proxy, in alternating order, one request at
+a time, streaming: the first token comes from the prefill reply, the second only once
+decode holds the KV. `wait` (second-token time minus first-token time) is what the client
+waits for the hand-over and decode's first step; overlap moves the full-attention blocks
+while the prompt computes, so only the last blocks, sliding windows and state pages remain.
+`--ucx-tls tcp,self` has the KV cross TCP (a hand-over between hosts) instead of shared
+memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hybrid_pd.launcher.bench_multiturn import _start
+from hybrid_pd.launcher.bench_serve import _prompt, worker_kv_check
+
+MODES = ("off", "on")
+
+
+def add_overlap_parser(bsub: argparse._SubParsersAction) -> None:
+    s = bsub.add_parser(
+        "overlap", help="a long prompt's P/D hand-over with and without overlap (proxy)"
+    )
+    s.add_argument("--model", default="tiny", help="`tiny` or a checkpoint folder")
+    s.add_argument("--prompt-len", type=int, default=16384)
+    s.add_argument("--chunk", type=int, default=2048, help="the prefill worker's step tokens")
+    s.add_argument("--reps", type=int, default=2, help="prompts per mode (alternating)")
+    s.add_argument("--max-tokens", type=int, default=4)
+    s.add_argument("--kv-memory", default="2GiB", help="KV memory of each worker")
+    s.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
+    s.add_argument("--ucx-tls", default=None, help="UCX transports of both workers")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_bench_overlap)
+
+
+def _stream(client, body: dict) -> dict:
+    """One streaming completion: first- and second-token times and the token ids."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    ids: list[int] = []
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for c in json.loads(line[len("data: ") :]).get("choices") or ():
+                new = c.get("token_ids") or ()
+                times += [time.perf_counter() - t0] * len(new)
+                ids += new
+    if len(ids) < 2:
+        raise RuntimeError(f"expected at least two tokens, got {len(ids)}")
+    return {"first_s": times[0], "second_s": times[1], "wait_s": times[1] - times[0], "ids": ids}
+
+
+def bench_overlap(
+    model: str = "tiny",
+    prompt_len: int = 16384,
+    chunk: int = 2048,
+    reps: int = 2,
+    max_tokens: int = 4,
+    kv_memory: str = "2GiB",
+    threads: int = 1,
+    ucx_tls: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The runs and their medians (see the module's docstring); `env`: the workers'."""
+    import httpx
+
+    from hybrid_pd.engine.tiny import resolve_model
+    from hybrid_pd.proxy.config import ProxyConfig
+    from hybrid_pd.proxy.server import ProxyHandle
+    from hybrid_pd.proxy.worker_client import WorkerClient
+
+    if min(prompt_len, chunk, reps) < 1 or max_tokens < 2:
+        raise ValueError("prompt_len, chunk and reps must be >= 1, max_tokens >= 2")
+    path = resolve_model(model)
+    cfg = json.loads((path / "config.json").read_text())
+    vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
+    common = ["--model", str(path), "--kv-memory", kv_memory, "--threads", str(threads)]
+    if ucx_tls:
+        common += ["--ucx-tls", ucx_tls]
+    (prefill,) = _start([("prefill", [*common, "--max-num-batched-tokens", str(chunk)])], env)
+    workers = [prefill]
+    proxies: dict[str, Any] = {}
+    try:
+        workers += _start([("decode", [*common, "--peer", prefill.address])], env)
+        for mode in MODES:
+            config = ProxyConfig(
+                served_model_names=("m",),
+                model_path=str(path),
+                port=0,
+                prefill_addresses=(prefill.address,),
+                decode_addresses=(workers[1].address,),
+                min_prefill_tokens=1,
+                overlap_transfer=mode == "on",
+            )
+            proxies[mode] = ProxyHandle(config, port=0).start()
+        runs = []
+        timeout = httpx.Timeout(3600.0, connect=10.0)
+        order = [(r, m) for r in range(reps) for m in (MODES if r % 2 == 0 else MODES[::-1])]
+        warm = _prompt("overlap-warm", min(prompt_len, 256), vocab)
+        for i, (rep, mode) in enumerate([(-1, "off"), (-1, "on"), *order]):
+            body = {
+                "model": "m",
+                "prompt": warm if rep < 0 else _prompt(f"overlap-{i}", prompt_len, vocab),
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+            }
+            with httpx.Client(base_url=proxies[mode].url, timeout=timeout, trust_env=False) as c:
+                out = _stream(c, body)
+            if rep < 0:
+                continue  # warm-up: not measured
+            stats = WorkerClient(workers[1].address, timeout_s=10).stats()["decode_connector"]
+            runs.append(
+                {
+                    "mode": mode,
+                    "rep": rep,
+                    **{k: round(v, 4) for k, v in out.items() if k != "ids"},
+                    "staged_bytes_total": stats["staged_bytes"],
+                    "bytes_total": stats["bytes"],
+                }
+            )
+        summary = {
+            m: {
+                k: round(statistics.median(r[k] for r in runs if r["mode"] == m), 4)
+                for k in ("first_s", "second_s", "wait_s")
+            }
+            for m in MODES
+        }
+        summary["wait_ratio"] = round(summary["on"]["wait_s"] / summary["off"]["wait_s"], 3)
+        summary["second_token_ratio"] = round(
+            summary["on"]["second_s"] / summary["off"]["second_s"], 3
+        )
+        kv = worker_kv_check(workers)
+    finally:
+        for handle in proxies.values():
+            handle.stop()
+            handle.pool.close()
+        for w in workers:
+            w.stop()
+    return {
+        "config": {
+            "model": model if model == "tiny" else Path(model).name,
+            "prompt_len": prompt_len,
+            "chunk": chunk,
+            "reps": reps,
+            "threads": threads,
+            "ucx_tls": ucx_tls or "default",
+        },
+        "runs": runs,
+        "summary": summary,
+        "workers": kv,
+    }
+
+
+def _cmd_bench_overlap(args: argparse.Namespace) -> int:
+    try:
+        result = bench_overlap(
+            args.model,
+            args.prompt_len,
+            args.chunk,
+            args.reps,
+            args.max_tokens,
+            args.kv_memory,
+            args.threads,
+            args.ucx_tls,
+        )
+    except ValueError as e:
+        print(f"hybrid-pd bench overlap: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    s = result["summary"]
+    for m in MODES:
+        print(
+            f"overlap {m:>3}: first token {s[m]['first_s']:.3f} s, second {s[m]['second_s']:.3f}"
+            f" s, hand-over wait {s[m]['wait_s']:.3f} s"
+        )
+    print(f"wait on/off {s['wait_ratio']}, second token on/off {s['second_token_ratio']}")
+    return 0
