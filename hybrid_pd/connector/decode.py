@@ -265,6 +265,8 @@ class DecodeConnector:
                 time.sleep(0.05)
                 continue
             if reply.epoch != epoch:  # first reply, or the prefill was preempted
+                if have != base:  # what was staged came from freed blocks
+                    self._count(staged_void=1)
                 have, epoch = list(base), reply.epoch
             if reply.state == "kept":
                 final = params.completed(

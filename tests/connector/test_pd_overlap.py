@@ -95,3 +95,38 @@ def test_a_first_token_that_ends_the_request_fails_the_staged_leg_and_frees_all(
     assert first.finished and first.first_token == stop
     for client in (pair.prefill, pair.decode):
         wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
+
+
+def test_a_prefill_preempted_while_staged_restages_and_stays_exact(checkpoint):
+    """A lease nobody pulls pins most of the prefill worker's pool: the staged request is
+    preempted (its blocks freed, its epoch moved on) until the lease expires, then computed
+    again. The decode worker drops what it staged from the freed blocks and pulls them
+    again; the output equals one engine's and both workers end with every block free."""
+    path = checkpoint("llama")
+    ref = reference_engine(path)
+    kv, bs = ref.kv_config, ref.kv_config.block_size
+    pool = kv.page_size_bytes * 41  # 40 usable blocks
+    pair = Pair(
+        path,
+        prefill_args=["--kv-memory", str(pool), "--lease-s", "2", "--max-num-batched-tokens",
+                      str(2 * bs)],
+        env={"HYBRID_PD_INJECT_FAULT": "slow_prefill:0.05"},
+    )  # fmt: skip
+    try:
+        sampling = sampling_to_pb(SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+        pinned = prompt(26 * bs, seed=40)
+        pair.prefill.prefill("pinned", pinned, sampling)  # kept, never pulled: 26 blocks
+        p = prompt(24 * bs, seed=41)
+        expected = reference_tokens(ref, p, N_NEW)
+        first, out = _staged_run(pair, "preempted", p, sampling, secrets.token_urlsafe(16))
+        assert first.first_token == expected[0]
+        assert out.error == "" and out.token_ids == expected
+        # Blocks staged from the freed pages moved twice: counted, whole pages.
+        extra = out.transfer["bytes"] - kv.bytes_per_request(len(p))
+        assert extra > 0 and extra % kv.page_size_bytes == 0
+        assert pair.decode.stats()["decode_connector"]["staged_void"] >= 1
+        assert pair.prefill.stats()["prefill_connector"]["expired"] == 1
+        for client in (pair.prefill, pair.decode):
+            wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
+    finally:
+        pair.close()
