@@ -211,7 +211,8 @@ class DecodeConnector:
             if not isinstance(e, TransferFailed):
                 logger.exception("staged KV load for %s failed", request_id)
             error = str(e) if isinstance(e, TransferFailed) else f"{type(e).__name__}: {e}"
-            res = LoadResult(request_id, error, first_token=final and final.first_token)
+            first = final.first_token if final is not None else None
+            res = LoadResult(request_id, error, first_token=first)
         with self._lock:
             self._following.discard(params.request_id)
             self._dropped.discard(params.request_id)

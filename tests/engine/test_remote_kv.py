@@ -441,3 +441,46 @@ def test_a_staged_prefill_publishes_its_progress_and_a_preemption_resets_it(chec
     c = engine.add_request(first[:40], PARAMS, remote_decode=True, stage_token="tc")
     engine.abort(c)
     assert rec.events[-1] == ("end", c)
+
+
+class Staged(dict):
+    """Params of a staged load (the prefill still runs): the first token comes with it."""
+
+    staged = True
+
+
+def test_a_staged_load_brings_the_first_token_or_fails_without_it(loaded):
+    """Added without a first token, a staged request takes it from its load: on success it
+    runs from prompt + that token; on a failed load that learned it, it recomputes after
+    it; on a failed load that never learned it, it fails whatever its policy (recomputing
+    would sample a first token of its own)."""
+    source, decode, loads = pd_pair(loaded)
+    prompt = prompt_of(source, 5, seed=11)
+    want = make_engine(loaded).generate([prompt], PARAMS)[0].token_ids
+    kv = Staged(prefill(source, prompt))
+
+    def load_ends(error: str | None, first: int | None, copy: bool):
+        def action(lo: ScriptedLoads) -> None:
+            for rid in list(lo.started):
+                if copy:
+                    lo.complete(rid)
+                    lo._done[-1] = LoadResult(rid, error, 1, 1, 0.0, first_token=first)
+                else:
+                    lo.started.pop(rid)
+                    lo._done.append(LoadResult(rid, error, first_token=first))
+
+        return action
+
+    with pytest.raises(ValueError, match="exactly one token"):
+        decode.add_request(prompt, PARAMS, "x", output_ids=[want[0]], remote_kv=kv)
+    decode.add_request(prompt, PARAMS, "ok", remote_kv=kv)
+    out = drive(decode, loads, load_ends(None, kv["first"], copy=True))["ok"]
+    assert out.token_ids == want and not out.recomputed
+    decode.add_request(prompt, PARAMS, "late", remote_kv=kv)
+    out = drive(decode, loads, load_ends("peer died", kv["first"], copy=False))["late"]
+    assert out.token_ids == want and out.recomputed
+    decode.add_request(prompt, PARAMS, "blind", remote_kv=kv, on_load_failure="recompute")
+    out = drive(decode, loads, load_ends("peer died", None, copy=False))["blind"]
+    assert out.finish_reason == "error" and out.token_ids == []  # not recomputed
+    assert out.error == "KV transfer failed: peer died"
+    assert_clean(decode)
