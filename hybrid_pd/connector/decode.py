@@ -9,10 +9,10 @@ post UCX receives straight into the destination runs
 PullKV over gRPC (prefill sends the runs) → wait for the receives → Release
 
 Staged params (the proxy sent them while the prefill still runs): follow the prefill with
-Progress long-polls; each time whole full-attention blocks are computed, pull them (a staged
-PullKV); once the prefill kept its KV, the final pull sends only the rest (sliding-window
-blocks, state pages, the last full blocks). Blocks staged under an epoch the prefill left
-(preempted there) are pulled again.
+Progress long-polls; each time attention blocks are final there (all their tokens computed,
+and still read at the end of the prompt), pull them (a staged PullKV); once the prefill kept
+its KV, the final pull sends only the rest (state pages, the last blocks). Blocks staged
+under an epoch the prefill left (preempted there) are pulled again.
 """
 
 from __future__ import annotations
@@ -234,13 +234,15 @@ class DecodeConnector:
                 logger.warning("release of %s failed (%s)", final.request_id, e)
 
     def _follow(self, params: KVTransferParams, block_ids, held) -> tuple:
-        """Follow a running prefill, pulling whole computed full-attention blocks as they
-        come; returns (the completed params, per group the blocks this worker now holds,
-        the staged pulls' TransferStats)."""
+        """Follow a running prefill, pulling its final attention blocks as they come;
+        returns (the completed params, per group the blocks this worker now holds, the
+        staged pulls' TransferStats)."""
         peer = self._peer(params.control_address)
         bs = self.layout.block_size
-        full = [g.kind == "full" for g in self.layout.groups]
+        stageable = [g.kind != "state" for g in self.layout.groups]
         dst = [[b for b in g if b != NULL_BLOCK_ID] for g in block_ids]
+        # Leading null blocks: the positions the end of the prompt no longer reads.
+        skipped = [len(g) - len(d) for g, d in zip(block_ids, dst, strict=True)]
         base = list(held) if held else [0] * len(dst)
         have, epoch, void = list(base), 0, 0
         moved = [0, 0]  # bytes, messages of staged pulls that stood
@@ -249,14 +251,15 @@ class DecodeConnector:
             with self._lock:
                 if params.request_id in self._dropped or self._closing:
                     raise TransferFailed("the request was dropped while its prefill ran")
-            # The next whole block to stage; none left (or staging gave up): wait for the
-            # end, which Progress answers at once (min_tokens past the prompt).
-            whole = params.prompt_len // bs
-            behind = [have[g] for g in range(len(dst)) if full[g] and have[g] < whole]
-            if behind and void < STAGE_MAX_VOID:
-                want = (min(behind) + STAGE_MIN_BLOCKS) * bs
-            else:
-                want = params.prompt_len + 1
+            # Where the next block to stage is complete; none left (or staging gave up):
+            # wait for the end, which Progress answers at once (min_tokens past the prompt).
+            ends = [
+                (skipped[g] + have[g] + STAGE_MIN_BLOCKS) * bs
+                for g in range(len(dst))
+                if stageable[g] and have[g] < len(dst[g])
+            ]
+            ends = [t for t in ends if t <= params.prompt_len]
+            want = min(ends) if ends and void < STAGE_MAX_VOID else params.prompt_len + 1
             reply = self._progress(peer, params, want)
             if reply.state == "ended":
                 raise TransferFailed("the prefill ended without keeping the KV")
@@ -279,8 +282,13 @@ class DecodeConnector:
                 return final, have, TransferStats(moved[0], moved[1], 0.0)
             if want > params.prompt_len:
                 continue
-            done = reply.computed_tokens // bs
-            end = [min(done, len(d)) if full[g] else have[g] for g, d in enumerate(dst)]
+            ready = [len(g.ids) for g in reply.block_ids] or [0] * len(dst)
+            if len(ready) != len(dst):
+                raise TransferFailed(f"the prefill worker names {len(ready)} groups")
+            end = [
+                max(have[g], min(ready[g], len(dst[g]))) if stageable[g] else have[g]
+                for g in range(len(dst))
+            ]
             if sum(end) - sum(have) < STAGE_MIN_BLOCKS:
                 continue
             src = [list(reply.block_ids[g].ids[have[g] : end[g]]) for g in range(len(dst))]

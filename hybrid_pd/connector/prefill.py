@@ -6,11 +6,12 @@ Release / Abort / lease expiry ──► free the blocks (exactly once)
 
 Overlap (a Prefill that carries a transfer token): while the request computes, the engine
 publishes its progress here (`stage_*`, engine thread); a decode worker follows it
-(`progress`) and pulls the full-attention blocks whose tokens are computed
-(`pull_stage`). A block's KV never changes once computed, so a staged send is exact unless
-the blocks were freed meanwhile (preemption): each free moves the request's epoch on, and a
-send whose epoch moved before it ended is reported void (the decode side pulls those blocks
-again). Sliding-window blocks and state pages come only with the final pull.
+(`progress`) and pulls the attention blocks whose tokens are all computed and which the
+end of the prompt still reads (`pull_stage`): every full-attention block, a sliding
+window's blocks from the final window's first. A block's KV never changes once computed, so
+a staged send is exact unless the blocks were freed meanwhile (preemption): each free moves
+the request's epoch on, and a send whose epoch moved before it ended is reported void (the
+decode side pulls those blocks again). State pages come only with the final pull.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ class PrefillConnector:
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._early_aborts: OrderedDict[str, str] = OrderedDict()
         self._stages: dict[str, _Stage] = {}
-        #: The groups a staged pull may send: full attention (a computed block is final).
-        self._stageable = tuple(g.kind == "full" for g in layout.groups)
+        #: The groups a staged pull may send: attention (a computed block is final), never
+        #: state pages (the state advances until the prompt ends).
+        self._stageable = tuple(g.kind != "state" for g in layout.groups)
         self.stats = {
             "handed_over": 0,
             "pulled": 0,
@@ -240,7 +242,8 @@ class PrefillConnector:
     def stage_progress(
         self, request_id: str, num_computed: int, block_ids: Sequence[Sequence[int]]
     ) -> None:
-        """After a step: the prompt tokens computed and the request's blocks per group."""
+        """After a step: the prompt tokens computed and, per group, the blocks whose KV is
+        final, in the order the kept KV will list them (the engine's `_final_blocks`)."""
         if _FAULT == "slow_prefill":
             time.sleep(float(_FAULT_MARK))
         with self._lock:
@@ -251,6 +254,7 @@ class PrefillConnector:
             stage.block_ids = tuple(
                 tuple(g) if ok else () for g, ok in zip(block_ids, self._stageable, strict=True)
             )
+            self._kept.notify_all()
 
     def stage_reset(self, request_id: str) -> None:
         """The request's blocks were freed (preempted; it will be computed again): blocks
@@ -305,21 +309,21 @@ class PrefillConnector:
         timeout: float = 30.0,
         message_regions: Sequence[int] = (),
     ) -> PullResult:
-        """Send group g's computed full-attention blocks start[g] .. end[g] of a request
+        """Send group g's final attention blocks start[g] .. end[g] of a request
         still in prefill (or just kept) into `dst_blocks[g]`. Raises TransferFailed when the
         epoch is not the request's, or moved while sending (the bytes sent are void)."""
         with self._lock:
             stage = self._stages.get(request_id)
             if stage is not None:
                 self._check_token(stage.token, token, request_id)
-                blocks, computed, now = stage.block_ids, stage.computed, stage.epoch
+                blocks, now = stage.block_ids, stage.epoch
             else:
                 lease = self._lease(request_id, token)
-                blocks, computed, now = lease.block_ids, 1 << 62, lease.epoch
+                blocks, now = lease.block_ids, lease.epoch
             if now != epoch:
                 self.stats["staged_void"] += 1
                 raise TransferFailed(f"request {request_id}: its blocks changed (preempted)")
-            src = self._stage_src(blocks, computed, start, end)
+            src = self._stage_src(blocks, start, end)
         try:
             runs = self._plan.runs(src, dst_blocks)
         except ValueError as e:
@@ -337,10 +341,9 @@ class PrefillConnector:
             self.stats["messages_sent"] += len(messages)
         return PullResult(nbytes, len(messages))
 
-    def _stage_src(self, blocks, computed: int, start, end) -> list[list[int]]:
-        """Under the lock: the source blocks of a staged pull (TransferFailed names what
-        does not fit)."""
-        bs = self.layout.block_size
+    def _stage_src(self, blocks, start, end) -> list[list[int]]:
+        """Under the lock: the source blocks of a staged pull, group g's final blocks
+        start[g] .. end[g] (TransferFailed names what does not fit)."""
         if len(start) != len(self._stageable) or len(end) != len(self._stageable):
             raise TransferFailed(f"a staged pull names {len(start)} / {len(end)} groups")
         src = []
@@ -349,10 +352,8 @@ class PrefillConnector:
             if a == b:
                 src.append([])
                 continue
-            if not ok or not 0 <= a < b <= len(have) or b * bs > computed:
-                raise TransferFailed(
-                    f"group {g}: blocks {a}..{b} are not computed full-attention blocks"
-                )
+            if not ok or not 0 <= a < b <= len(have):
+                raise TransferFailed(f"group {g}: blocks {a}..{b} are not final attention blocks")
             src.append(list(have[a:b]))
         return src
 

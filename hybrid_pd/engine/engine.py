@@ -284,10 +284,9 @@ class Engine:
             self.scheduler.commit(seq)
             req = seq.request
             if req.stage_token:
-                rid = req.request_id
                 computed = min(req.num_computed, len(req.prompt_ids))
                 self.connector.scheduler.stage_progress(
-                    rid, computed, self.kv.block_ids(RequestId(rid))
+                    req.request_id, computed, self._final_blocks(req, computed)
                 )
         for j, (i, token) in enumerate(zip(sampling, tokens, strict=True)):
             req = sched.seqs[i].request
@@ -301,6 +300,21 @@ class Engine:
                 self.requests.pop(req.request_id, None)
             outputs.append(self._output(req))
         return outputs
+
+    def _final_blocks(self, req: Request, computed: int) -> tuple[tuple[int, ...], ...]:
+        """A staged request's blocks whose KV is final after `computed` prompt tokens, per
+        group, in the order the handed-over KV will list them: the attention blocks the
+        end of the prompt still reads (from the first needed one) whose tokens are all
+        computed; no state pages (the state advances until the prompt ends)."""
+        bs = self.kv.block_size
+        done = computed // bs
+        out = []
+        for group, ids in zip(
+            self.kv_config.groups, self.kv.block_ids(RequestId(req.request_id)), strict=True
+        ):
+            first = group.spec.first_needed_token(len(req.prompt_ids)) // bs
+            out.append(() if group.spec.kind == "state" else tuple(ids[first:done]))
+        return tuple(out)
 
     def _hand_over(self, req: Request) -> None:
         """Prefill role: the first token is sampled; keep the KV for a decode worker."""

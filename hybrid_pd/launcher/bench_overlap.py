@@ -5,8 +5,8 @@ proxies in front of them: one plain, one with `overlap_transfer`. Each repetitio
 fresh prompt (no prefix-cache hits) through each proxy, in alternating order, one request at
 a time, streaming: the first token comes from the prefill reply, the second only once
 decode holds the KV. `wait` (second-token time minus first-token time) is what the client
-waits for the hand-over and decode's first step; overlap moves the full-attention blocks
-while the prompt computes, so only the last blocks, sliding windows and state pages remain.
+waits for the hand-over and decode's first step; overlap moves the attention blocks
+while the prompt computes, so only the last chunk's blocks and the state pages remain.
 `--ucx-tls tcp,self` has the KV cross TCP (a hand-over between hosts) instead of shared
 memory.
 """

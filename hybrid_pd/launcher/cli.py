@@ -400,7 +400,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         default=None,
         help="proxy: "
-        + "start the decode leg beside the prefill and pull full-attention blocks as their "
+        + "start the decode leg beside the prefill and pull attention blocks as their "
         "chunks finish, instead of after the whole prompt (engine hybrid-pd)",
     )
     _add_log_flags(p)

@@ -107,8 +107,8 @@ class KVControlServicer:
     def Progress(self, request, context):
         """A request still in prefill (its Prefill carried a transfer token): how many prompt
         tokens are computed and its blocks now; answers once min_tokens are computed, the
-        prefill ended, or wait_s passed (long-poll). Decode pulls finished full-attention
-        blocks with a staged PullKV while later chunks compute.
+        prefill ended, or wait_s passed (long-poll). Decode pulls final attention blocks
+        with a staged PullKV while later chunks compute.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overlap-transfer",
         action="store_true",
-        help="start the decode leg beside the prefill and pull full-attention blocks as their "
+        help="start the decode leg beside the prefill and pull attention blocks as their "
         "chunks finish, instead of after the whole prompt (engine hybrid-pd)",
     )
     p.add_argument(

@@ -63,7 +63,7 @@ class ProxyConfig:
     kv_routing_max_imbalance: int = 4
     kv_routing_load_weight: float = 0.5
     #: Overlap the KV hand-over with prefill: the decode leg starts beside the Prefill and
-    #: pulls full-attention blocks as their chunks finish (our engine's workers only).
+    #: pulls attention blocks as their chunks finish (our engine's workers only).
     overlap_transfer: bool = False
 
     def __post_init__(self) -> None:

@@ -340,38 +340,38 @@ def _staged_keeper():
     return conn, freed, kinds, kinds.index("full")
 
 
-def test_staged_pulls_send_only_computed_full_attention_blocks():
+def test_staged_pulls_send_only_final_attention_blocks():
     """While the request computes, a decode worker showing its token follows it and pulls
-    the full-attention blocks whose tokens are all computed; anything else is refused and
-    sends nothing."""
+    the attention blocks the engine published as final (full attention and the final
+    window's); anything else, state pages included, is refused and sends nothing."""
     conn, _, kinds, full = _staged_keeper()
     n = len(kinds)
+    window, state = kinds.index("sliding_window"), kinds.index("state")
     assert conn.progress("r", "tok").state == "waiting"  # its Prefill is on its way
     conn.stage_begin("r", "tok")
     with pytest.raises(TransferFailed, match="wrong transfer token"):
         conn.progress("r", "guess")
-    blocks = [[9] for _ in kinds]
-    blocks[full] = [5, 6, 7]
-    conn.stage_progress("r", 9, blocks)  # blocks of 4 tokens: two whole blocks computed
+    blocks = [[] for _ in kinds]
+    blocks[full], blocks[window], blocks[state] = [5, 6], [8], [9]
+    conn.stage_progress("r", 9, blocks)
     p = conn.progress("r", "tok")
     assert (p.state, p.epoch, p.computed) == ("running", 1, 9)
-    assert p.block_ids[full] == (5, 6, 7) and all(
-        p.block_ids[g] == () for g in range(n) if g != full
-    )
+    assert p.block_ids[full] == (5, 6) and p.block_ids[window] == (8,)
+    assert p.block_ids[state] == ()  # a state page is never final before the end
     start, end, dst = [0] * n, [0] * n, [[] for _ in kinds]
     end[full], dst[full] = 2, [20, 21]
+    end[window], dst[window] = 1, [22]
     res = conn.pull_stage("r", "tok", 1, start, end, dst, b"peer", 64)
-    assert conn.transport.sent[-1][2] == [(5, 2)]
-    assert res.bytes == 2 * conn.layout.page_size_bytes
+    assert conn.transport.sent[-1][2] == [(5, 2), (8, 1)]
+    assert res.bytes == 3 * conn.layout.page_size_bytes
     assert conn.stats["staged_pulls"] == 1 and conn.stats["staged_bytes"] == res.bytes
     sent = len(conn.transport.sent)
-    end[full], dst[full] = 3, [20, 21, 22]  # block 2 holds one uncomputed token
-    with pytest.raises(TransferFailed, match="not computed"):
+    end[full], dst[full] = 3, [20, 21, 23]  # a third block is not published yet
+    with pytest.raises(TransferFailed, match="not final"):
         conn.pull_stage("r", "tok", 1, start, end, dst, b"peer", 64)
-    other = next(g for g in range(n) if g != full)
     bad_end, bad_dst = [0] * n, [[] for _ in kinds]
-    bad_end[other], bad_dst[other] = 1, [30]
-    with pytest.raises(TransferFailed, match="not computed full-attention"):
+    bad_end[state], bad_dst[state] = 1, [30]
+    with pytest.raises(TransferFailed, match="not final attention"):
         conn.pull_stage("r", "tok", 1, [0] * n, bad_end, bad_dst, b"peer", 64)
     with pytest.raises(TransferFailed, match="wrong transfer token"):
         conn.pull_stage("r", "guess", 1, start, [0] * n, [[] for _ in kinds], b"peer", 64)

@@ -1,4 +1,4 @@
-"""Overlap: decode pulls a prompt's computed full-attention blocks while its prefill still
+"""Overlap: decode pulls a prompt's final attention blocks while its prefill still
 runs (real worker processes, gRPC and UCX); the output equals one engine's."""
 
 from __future__ import annotations
@@ -63,17 +63,15 @@ def test_staged_hand_over_equals_one_engine_and_ships_the_minimum(overlap_pair):
     assert out.error == "" and out.token_ids == expected, name
     assert not out.transfer["recomputed"]
     # Staged and final pulls together ship exactly the minimum; the staged part is whole
-    # full-attention blocks that were computed before the prefill ended.
+    # attention blocks that were final before the prefill ended.
     assert out.transfer["bytes"] == kv_config.bytes_per_request(len(p))
     staged = out.transfer["staged_bytes"]
     page = kv_config.page_size_bytes
     stats = pair.decode.stats()["decode_connector"]
     assert stats["staged_loads"] >= 1 and stats["staged_void"] == 0
-    if not any(g.spec.kind == "full" for g in kv_config.groups):
-        assert staged == 0 and stats["staged_pulls"] == 0
-        return
-    assert staged > 0 and staged % page == 0 and staged < out.transfer["bytes"]
-    assert stats["staged_pulls"] >= 1
+    assert staged % page == 0 and staged < out.transfer["bytes"]
+    if any(g.spec.kind == "full" for g in kv_config.groups):  # (Mistral's all slide)
+        assert staged > 0 and stats["staged_pulls"] >= 1
     assert pair.prefill.stats()["prefill_connector"]["staged_bytes"] >= staged
     for client in (pair.prefill, pair.decode):
         wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")

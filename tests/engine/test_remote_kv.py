@@ -397,12 +397,14 @@ class StageRecorder(KeepAll):
         self.events.append(("end", rid))
 
 
-def test_a_staged_prefill_publishes_its_progress_and_a_preemption_resets_it(checkpoint):
-    """The engine publishes a staged request's computed tokens and blocks after every step;
-    when a lease pins the pool and the request is preempted, it says so before anything can
-    reuse the blocks, and the progress starts over; a request that ends without keeping its
-    KV (aborted) is ended."""
-    model, config, tok = load_model(checkpoint("llama"))
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_staged_prefill_publishes_its_progress_and_a_preemption_resets_it(checkpoint, arch):
+    """The engine publishes a staged request's computed tokens and final blocks after every
+    step (every full-attention block whose tokens are computed, a window's from the final
+    window's first block); when a lease pins the pool and the request is preempted, it says
+    so before anything can reuse the blocks, and the progress starts over; a request that
+    ends without keeping its KV (aborted) is ended."""
+    model, config, tok = load_model(checkpoint(arch))
     rec = StageRecorder()
     cfg = EngineConfig(kv_memory_bytes=2**18, max_num_batched_tokens=32)
     engine = Engine(model, config, cfg, tok, KVConnector(scheduler=rec))
@@ -423,19 +425,24 @@ def test_a_staged_prefill_publishes_its_progress_and_a_preemption_resets_it(chec
     assert set(kept) == {a, b} and ("reset", b) in rec.events
     assert ("begin", a, "ta") in rec.events and ("begin", b, "tb") in rec.events
     # Per request, progress grows within an epoch and a reset starts it over; each
-    # published block list extends the one before; the last one is what was kept.
+    # published block list extends the one before; the last one is what was kept (the
+    # prompt is whole blocks).
+    groups = engine.kv_config.groups
     for rid in (a, b):
         mine = [e for e in rec.events if e[1] == rid and e[0] in ("progress", "reset")]
-        last, blocks = 0, ()
+        last, blocks = 0, tuple(() for _ in groups)
         for e in mine:
             if e[0] == "reset":
-                last, blocks = 0, ()
+                last, blocks = 0, tuple(() for _ in groups)
                 continue
-            computed, ids = e[2], e[3][0]
-            assert computed > last and ids[: len(blocks)] == blocks
-            assert len(ids) * bs >= computed
-            last, blocks = computed, ids
-        assert last == length and blocks == kept[rid]["blocks"][0]
+            computed, published = e[2], e[3]
+            assert computed > last
+            for g, (ids, before) in enumerate(zip(published, blocks, strict=True)):
+                assert ids[: len(before)] == before
+                lead = groups[g].spec.first_needed_token(length) // bs
+                assert len(ids) == max(0, computed // bs - lead)
+            last, blocks = computed, published
+        assert last == length and blocks == kept[rid]["blocks"]
     assert ("reset", a) not in rec.events
     # Aborted while staged: ended.
     c = engine.add_request(first[:40], PARAMS, remote_decode=True, stage_token="tc")
