@@ -332,42 +332,8 @@ class DecodeConnector:
         it failed."""
         t0 = time.perf_counter()
         part = [d[a:b] for d, a, b in zip(dst, have, end, strict=True)]
-        try:
-            messages, packing = self._messages(peer, self._plan.runs(src, part))
-        except ValueError as e:
-            raise TransferFailed(f"a staged pull does not fit this request: {e}") from e
-        tag = self._tag_base | (next(self._counter) % (1 << 24)) << 16
-        handle = self.transport.post_recv(peer.ucx_address, tag, messages)
-        try:
-            reply = peer.stub.PullKV(
-                pb.PullRequest(
-                    request_id=params.request_id,
-                    transfer_token=params.transfer_token,
-                    engine_id=self.engine_id,
-                    ucx_address=self.transport.address,
-                    tag=tag,
-                    dst_blocks=[pb.BlockIds(ids=g) for g in part],
-                    skip_blocks=have,
-                    message_regions=packing,
-                    stage_epoch=epoch,
-                    stage_end=end,
-                ),
-                timeout=self.timeout_s,
-                metadata=self._metadata,
-            )
-            if not reply.ok:
-                raise _Refused(reply.error)
-            handle.wait(self.timeout_s)
-        except grpc.RpcError as e:
-            handle.cancel()
-            self.forget_peer(params.control_address)
-            raise TransferFailed(
-                f"prefill worker {params.control_address} failed during a staged pull: "
-                f"{_rpc_error(e)}"
-            ) from e
-        except BaseException:
-            handle.cancel()
-            raise
+        stage = {"skip_blocks": have, "stage_epoch": epoch, "stage_end": end}
+        reply = self._transfer(peer, params, src, part, "a staged pull", **stage)
         self._count(staged_pulls=1, staged_bytes=reply.bytes, bytes=reply.bytes)
         return TransferStats(reply.bytes, reply.messages, time.perf_counter() - t0)
 
@@ -506,40 +472,11 @@ class DecodeConnector:
             dst = [g[n:] for g, n in zip(dst, skip, strict=True)]
             src = tuple(list(g[n:]) for g, n in zip(src, skip, strict=False))
         try:
-            messages, packing = self._messages(peer, self._plan.runs(src, dst))
-        except ValueError as e:
-            raise TransferFailed(f"kv_transfer_params do not fit this request: {e}") from e
-        if len(messages) >= 1 << 16:
-            raise TransferFailed("transfer too fragmented (over 65536 messages)")
-        tag = self._tag_base | (next(self._counter) % (1 << 24)) << 16
-        handle = self.transport.post_recv(peer.ucx_address, tag, messages)
-        try:
-            reply = peer.stub.PullKV(
-                pb.PullRequest(
-                    request_id=params.request_id,
-                    transfer_token=params.transfer_token,
-                    engine_id=self.engine_id,
-                    ucx_address=self.transport.address,
-                    tag=tag,
-                    dst_blocks=[pb.BlockIds(ids=g) for g in dst],
-                    skip_blocks=skip,
-                    message_regions=packing,
-                ),
-                timeout=self.timeout_s,
-                metadata=self._metadata,
-            )
-            if not reply.ok:
-                raise TransferFailed(f"prefill worker refused the pull: {reply.error}")
-            handle.wait(self.timeout_s)
-        except grpc.RpcError as e:
-            handle.cancel()
-            self.forget_peer(params.control_address)
+            reply = self._transfer(peer, params, src, dst, "the pull", skip_blocks=skip)
+        except _Refused as e:
             self._count(failed=1)
-            raise TransferFailed(
-                f"prefill worker {params.control_address} failed during the pull: {_rpc_error(e)}"
-            ) from e
+            raise TransferFailed(f"prefill worker refused the pull: {e}") from None
         except Exception:
-            handle.cancel()
             self._count(failed=1)
             raise
         stats = TransferStats(reply.bytes, reply.messages, time.perf_counter() - t0)
@@ -553,6 +490,47 @@ class DecodeConnector:
             seconds=stats.seconds,
         )
         return stats
+
+    def _transfer(self, peer: _Peer, params: KVTransferParams, src, dst, what: str, **fields):
+        """Post receives into `dst`'s runs (paired with `src`), then ask the prefill worker
+        to send them (PullKV with `fields`); its reply once the bytes have arrived. Raises
+        _Refused when the prefill worker refused, TransferFailed when the transfer failed."""
+        try:
+            messages, packing = self._messages(peer, self._plan.runs(src, dst))
+        except ValueError as e:
+            raise TransferFailed(f"{what} does not fit this request: {e}") from e
+        if len(messages) >= 1 << 16:
+            raise TransferFailed("transfer too fragmented (over 65536 messages)")
+        tag = self._tag_base | (next(self._counter) % (1 << 24)) << 16
+        handle = self.transport.post_recv(peer.ucx_address, tag, messages)
+        try:
+            reply = peer.stub.PullKV(
+                pb.PullRequest(
+                    request_id=params.request_id,
+                    transfer_token=params.transfer_token,
+                    engine_id=self.engine_id,
+                    ucx_address=self.transport.address,
+                    tag=tag,
+                    dst_blocks=[pb.BlockIds(ids=g) for g in dst],
+                    message_regions=packing,
+                    **fields,
+                ),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
+            )
+            if not reply.ok:
+                raise _Refused(reply.error)
+            handle.wait(self.timeout_s)
+        except grpc.RpcError as e:
+            handle.cancel()
+            self.forget_peer(params.control_address)
+            raise TransferFailed(
+                f"prefill worker {params.control_address} failed during {what}: {_rpc_error(e)}"
+            ) from e
+        except BaseException:
+            handle.cancel()
+            raise
+        return reply
 
     def _release(self, peer: _Peer, params: KVTransferParams) -> None:
         try:

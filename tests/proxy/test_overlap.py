@@ -60,6 +60,19 @@ def _body(prompt=PROMPT, **extra):
     }
 
 
+def _in_background(url: str, prompt: list[int]):
+    """POST one completion from a thread: (the thread, where its response will be)."""
+    result: dict = {}
+
+    def run():
+        with httpx.Client(base_url=url, timeout=120) as c:
+            result["r"] = c.post("/v1/completions", json=_body(prompt))
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, result
+
+
 def test_overlapped_requests_equal_one_engine_and_stage_blocks(overlap, reference):
     handle, prefill, decode = overlap
     want = reference.generate([PROMPT], SamplingParams(max_tokens=10, ignore_eos=True))[0]
@@ -108,15 +121,8 @@ def test_a_prefill_that_dies_mid_prompt_loses_nothing(tiny_path, cache_dir, over
     before = client.stats()["decode_connector"]
     prompt = PROMPT[::-1]  # not in the decode worker's prefix cache: its blocks are pulled
     want = reference.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0]
-    result = {}
-
-    def run():
-        with httpx.Client(base_url=handle.url, timeout=120) as c:
-            result["r"] = c.post("/v1/completions", json=_body(prompt))
-
-    t = threading.Thread(target=run)
+    t, result = _in_background(handle.url, prompt)
     try:
-        t.start()
         deadline = time.monotonic() + 60
         while client.stats()["decode_connector"]["staged_pulls"] == before["staged_pulls"]:
             assert time.monotonic() < deadline, "the decode leg never staged a pull"
@@ -152,15 +158,8 @@ def test_a_decode_worker_lost_during_staging_hands_over_to_another(tiny_path, ca
     clients = [WorkerClient(w.address, timeout_s=5) for w in decodes]
     prompt = PROMPT[1::2] + PROMPT[::2]
     want = reference.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0]
-    result = {}
-
-    def run():
-        with httpx.Client(base_url=handle.url, timeout=120) as c:
-            result["r"] = c.post("/v1/completions", json=_body(prompt))
-
-    t = threading.Thread(target=run)
+    t, result = _in_background(handle.url, prompt)
     try:
-        t.start()
         deadline = time.monotonic() + 60
         while True:
             staged = [c.stats()["decode_connector"]["staged_pulls"] for c in clients]
