@@ -1,10 +1,10 @@
 """`hybrid-pd bench overlap`: a long prompt's hand-over with and without overlap.
 
 One prefill worker (prefilling in chunks of `--chunk` tokens) and one decode worker, two
-proxies in front of them: one plain, one with `overlap_transfer`. Each repetition sends one
-fresh prompt (no prefix-cache hits) through each proxy, in alternating order, one request at
-a time, streaming: the first token comes from the prefill reply, the second only once
-decode holds the KV. `wait` (second-token time minus first-token time) is what the client
+proxies in front of them: one plain, one with `overlap_transfer`. Each repetition sends
+`--concurrency` fresh prompts at once (no prefix-cache hits) through each proxy, in
+alternating order, streaming: the first token comes from the prefill reply, the second only
+once decode holds the KV. `wait` (second-token time minus first-token time) is what the client
 waits for the hand-over and decode's first step; overlap moves the attention blocks
 while the prompt computes, so only the last chunk's blocks and the state pages remain.
 `--ucx-tls tcp,self` has the KV cross TCP (a hand-over between hosts) instead of shared
@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,8 @@ def add_overlap_parser(bsub: argparse._SubParsersAction) -> None:
     s.add_argument("--model", default="tiny", help="`tiny` or a checkpoint folder")
     s.add_argument("--prompt-len", type=int, default=16384)
     s.add_argument("--chunk", type=int, default=2048, help="the prefill worker's step tokens")
-    s.add_argument("--reps", type=int, default=2, help="prompts per mode (alternating)")
+    s.add_argument("--reps", type=int, default=2, help="rounds per mode (alternating)")
+    s.add_argument("--concurrency", type=int, default=1, help="prompts sent at once per round")
     s.add_argument("--max-tokens", type=int, default=4)
     s.add_argument("--kv-memory", default="2GiB", help="KV memory of each worker")
     s.add_argument("--threads", type=int, default=1, help="torch threads of each worker")
@@ -46,7 +48,7 @@ def add_overlap_parser(bsub: argparse._SubParsersAction) -> None:
 def _stream(client, body: dict) -> dict:
     """One streaming completion: first- and second-token times and the token ids."""
     t0 = time.perf_counter()
-    times: list[float] = []
+    times: list[float] = []  # since t0, per token
     ids: list[int] = []
     with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -61,7 +63,13 @@ def _stream(client, body: dict) -> dict:
                 ids += new
     if len(ids) < 2:
         raise RuntimeError(f"expected at least two tokens, got {len(ids)}")
-    return {"first_s": times[0], "second_s": times[1], "wait_s": times[1] - times[0], "ids": ids}
+    return {
+        "first_s": times[0],
+        "second_s": times[1],
+        "wait_s": times[1] - times[0],
+        "done_s": times[-1],
+        "ids": ids,
+    }
 
 
 def bench_overlap(
@@ -74,6 +82,7 @@ def bench_overlap(
     threads: int = 1,
     ucx_tls: str | None = None,
     env: dict[str, str] | None = None,
+    concurrency: int = 1,
 ) -> dict[str, Any]:
     """The runs and their medians (see the module's docstring); `env`: the workers'."""
     import httpx
@@ -83,8 +92,8 @@ def bench_overlap(
     from hybrid_pd.proxy.server import ProxyHandle
     from hybrid_pd.proxy.worker_client import WorkerClient
 
-    if min(prompt_len, chunk, reps) < 1 or max_tokens < 2:
-        raise ValueError("prompt_len, chunk and reps must be >= 1, max_tokens >= 2")
+    if min(prompt_len, chunk, reps, concurrency) < 1 or max_tokens < 2:
+        raise ValueError("prompt_len, chunk, reps and concurrency must be >= 1, max_tokens >= 2")
     path = resolve_model(model)
     cfg = json.loads((path / "config.json").read_text())
     vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
@@ -112,25 +121,39 @@ def bench_overlap(
         order = [(r, m) for r in range(reps) for m in (MODES if r % 2 == 0 else MODES[::-1])]
         warm = _prompt("overlap-warm", min(prompt_len, 256), vocab)
         for i, (rep, mode) in enumerate([(-1, "off"), (-1, "on"), *order]):
-            body = {
-                "model": "m",
-                "prompt": warm if rep < 0 else _prompt(f"overlap-{i}", prompt_len, vocab),
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "return_token_ids": True,
-            }
-            with httpx.Client(base_url=proxies[mode].url, timeout=timeout, trust_env=False) as c:
-                out = _stream(c, body)
+            n = 1 if rep < 0 else concurrency
+            bodies = [
+                {
+                    "model": "m",
+                    "prompt": warm if rep < 0 else _prompt(f"overlap-{i}-{j}", prompt_len, vocab),
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "return_token_ids": True,
+                }
+                for j in range(n)
+            ]
+            limits = httpx.Limits(max_connections=n + 1)
+            with (
+                httpx.Client(
+                    base_url=proxies[mode].url, timeout=timeout, limits=limits, trust_env=False
+                ) as c,
+                ThreadPoolExecutor(n) as ex,
+            ):
+                outs = list(ex.map(lambda b, c=c: _stream(c, b), bodies))
             if rep < 0:
                 continue  # warm-up: not measured
+            # Per round: the medians over its requests, and when its last token came.
+            out = {k: statistics.median(o[k] for o in outs) for k in ("first_s", "second_s")}
+            out["wait_s"] = statistics.median(o["wait_s"] for o in outs)
+            out["done_s"] = max(o["done_s"] for o in outs)
             stats = WorkerClient(workers[1].address, timeout_s=10).stats()["decode_connector"]
             runs.append(
                 {
                     "mode": mode,
                     "rep": rep,
-                    **{k: round(v, 4) for k, v in out.items() if k != "ids"},
+                    **{k: round(v, 4) for k, v in out.items()},
                     "staged_bytes_total": stats["staged_bytes"],
                     "bytes_total": stats["bytes"],
                 }
@@ -138,7 +161,7 @@ def bench_overlap(
         summary = {
             m: {
                 k: round(statistics.median(r[k] for r in runs if r["mode"] == m), 4)
-                for k in ("first_s", "second_s", "wait_s")
+                for k in ("first_s", "second_s", "wait_s", "done_s")
             }
             for m in MODES
         }
@@ -146,6 +169,7 @@ def bench_overlap(
         summary["second_token_ratio"] = round(
             summary["on"]["second_s"] / summary["off"]["second_s"], 3
         )
+        summary["done_ratio"] = round(summary["on"]["done_s"] / summary["off"]["done_s"], 3)
         kv = worker_kv_check(workers)
     finally:
         for handle in proxies.values():
@@ -159,6 +183,7 @@ def bench_overlap(
             "prompt_len": prompt_len,
             "chunk": chunk,
             "reps": reps,
+            "concurrency": concurrency,
             "threads": threads,
             "ucx_tls": ucx_tls or "default",
         },
@@ -179,6 +204,7 @@ def _cmd_bench_overlap(args: argparse.Namespace) -> int:
             args.kv_memory,
             args.threads,
             args.ucx_tls,
+            concurrency=args.concurrency,
         )
     except ValueError as e:
         print(f"hybrid-pd bench overlap: error: {e}", file=sys.stderr)
