@@ -237,7 +237,6 @@ class PrefillConnector:
         with self._lock:
             self._stages[request_id] = _Stage(token)
             self.stats["staged"] += 1
-            self._kept.notify_all()
 
     def stage_progress(
         self, request_id: str, num_computed: int, block_ids: Sequence[Sequence[int]]
@@ -254,7 +253,6 @@ class PrefillConnector:
             stage.block_ids = tuple(
                 tuple(g) if ok else () for g, ok in zip(block_ids, self._stageable, strict=True)
             )
-            self._kept.notify_all()
 
     def stage_reset(self, request_id: str) -> None:
         """The request's blocks were freed (preempted; it will be computed again): blocks
