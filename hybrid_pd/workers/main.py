@@ -25,6 +25,13 @@ from hybrid_pd.kvcache.planner import HELD_STATE_ROWS_HELP, held_state_rows_arg,
 from hybrid_pd.workers.worker import ROLES, Worker, WorkerConfig
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hybrid-pd-worker")
     p.add_argument("--role", choices=ROLES, required=True)
@@ -40,10 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=HELD_STATE_ROWS_HELP,
     )
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=64)
     p.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=_positive_int,
         default=2048,
         help="tokens one engine step computes at most (a long prompt is prefilled in chunks "
         "of this size)",

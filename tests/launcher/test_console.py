@@ -148,3 +148,32 @@ def test_worker_and_generate_read_held_state_rows():
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--prompt-ids", "3,4", "--held-state-rows", "x"])
     assert e.value.code == 2
+
+
+def test_overlap_transfer_reaches_the_config_and_is_refused_for_vllm(monkeypatch, tmp_path):
+    """`serve --overlap-transfer` (or YAML `overlap_transfer: true`) reaches ServeConfig;
+    off by default; engine vllm refuses it before anything starts. The proxy's own command
+    takes the flag too, and workers take the prefill chunk (--max-num-batched-tokens)."""
+    import argparse
+
+    from hybrid_pd.proxy.__main__ import add_arguments
+    from hybrid_pd.workers.main import parse_args
+
+    assert _deployed_config(monkeypatch, ["serve", "--port", "0"]).overlap_transfer is False
+    on = _deployed_config(monkeypatch, ["serve", "--port", "0", "--overlap-transfer"])
+    assert on.overlap_transfer is True
+    path = tmp_path / "serve.yaml"
+    path.write_text("overlap_transfer: true\n")
+    assert ServeConfig.from_yaml(path).overlap_transfer is True
+    with pytest.raises(ValueError, match="engine hybrid-pd only"):
+        ServeConfig(engine="vllm", model="some/folder", overlap_transfer=True)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["--decode", "127.0.0.1:1", "--overlap-transfer"]).overlap_transfer
+    assert not p.parse_args(["--decode", "127.0.0.1:1"]).overlap_transfer
+    args = parse_args(["--role", "prefill", "--max-num-batched-tokens", "512"])
+    assert args.max_num_batched_tokens == 512
+    assert parse_args(["--role", "prefill"]).max_num_batched_tokens == 2048
+    for flag in ("--max-num-batched-tokens", "--max-num-seqs"):
+        with pytest.raises(SystemExit):  # a clear usage error, not a traceback at start
+            parse_args(["--role", "prefill", flag, "0"])
