@@ -716,6 +716,29 @@ def gemv(
     return y
 
 
+def _attention_operands(q, cache, sinks, *indices) -> tuple | None:
+    """(Hq, Hkv, D, `sinks` as contiguous float32 or None) when q [rows, Hq, D] and the
+    layer's pool [N, 2, B, Hkv, D] fit the attention kernels (on the CPU, D contiguous, Hq
+    a multiple of Hkv), `sinks` is None or [Hq] on the CPU, and each (tensor, dtype) of
+    `indices` is a contiguous CPU tensor of that dtype; else None."""
+    if q.device.type != "cpu" or cache.device.type != "cpu" or q.dim() != 3 or cache.dim() != 5:
+        return None
+    _, hq, d = q.shape
+    hkv = cache.shape[3]
+    if cache.shape[1] != 2 or cache.shape[4] != d or hq % hkv:
+        return None
+    if q.stride(2) != 1 or cache.stride(4) != 1:
+        return None
+    for t, dtype in indices:
+        if t.dtype is not dtype or t.device.type != "cpu" or not t.is_contiguous():
+            return None
+    if sinks is not None:
+        if sinks.shape != (hq,) or sinks.device.type != "cpu":
+            return None
+        sinks = sinks.float().contiguous()
+    return hq, hkv, d, sinks
+
+
 def decode_attention(
     q: torch.Tensor,
     cache: torch.Tensor,
@@ -740,23 +763,14 @@ def decode_attention(
         return None
     if not threads_match():
         return None
-    if q.device.type != "cpu" or cache.device.type != "cpu" or q.dim() != 3 or cache.dim() != 5:
+    indices = ((read, torch.int64), (lo, torch.int32), (hi, torch.int32))
+    found = _attention_operands(q, cache, sinks, *indices)
+    if found is None:
         return None
-    seqs, hq, d = q.shape
-    hkv = cache.shape[3]
-    if cache.shape[1] != 2 or cache.shape[4] != d or hq % hkv or q.stride(2) != 1:
+    hq, hkv, d, sinks = found
+    seqs = q.shape[0]
+    if not seqs or read.numel() % seqs or lo.shape != (seqs,) or hi.shape != (seqs,):
         return None
-    if cache.stride(4) != 1 or not seqs or read.numel() % seqs:
-        return None
-    for t, dtype in ((read, torch.int64), (lo, torch.int32), (hi, torch.int32)):
-        if t.dtype is not dtype or t.device.type != "cpu" or not t.is_contiguous():
-            return None
-    if lo.shape != (seqs,) or hi.shape != (seqs,):
-        return None
-    if sinks is not None:
-        if sinks.shape != (hq,) or sinks.device.type != "cpu":
-            return None
-        sinks = sinks.float().contiguous()
     lib = library()
     if lib is None:
         return None
@@ -804,21 +818,13 @@ def prompt_attention(
         return None
     if not threads_match():
         return None
-    if q.device.type != "cpu" or cache.device.type != "cpu" or q.dim() != 3 or cache.dim() != 5:
+    found = _attention_operands(q, cache, sinks, (read, torch.int64), (lo, torch.int32))
+    if found is None:
         return None
-    n, hq, d = q.shape
-    hkv = cache.shape[3]
-    if cache.shape[1] != 2 or cache.shape[4] != d or hq % hkv or q.stride(2) != 1 or not n:
+    hq, hkv, d, sinks = found
+    n = q.shape[0]
+    if not n or lo.shape != (n,):
         return None
-    if cache.stride(4) != 1 or lo.shape != (n,):
-        return None
-    for t, dtype in ((read, torch.int64), (lo, torch.int32)):
-        if t.dtype is not dtype or t.device.type != "cpu" or not t.is_contiguous():
-            return None
-    if sinks is not None:
-        if sinks.shape != (hq,) or sinks.device.type != "cpu":
-            return None
-        sinks = sinks.float().contiguous()
     lib = library()
     if lib is None:
         return None
