@@ -307,6 +307,26 @@ def test_ssd_step_equals_the_pytorch_step(seqs, heads, hd, ns, groups):
     assert torch.equal(pool[:, 0], untouched)  # the rows between are not written
 
 
+@pytest.mark.parametrize("hd", [16, 20, 48])
+def test_ssd_step_sums_a_row_alike_whatever_rows_are_beside_it(hd):
+    """Rows of a head go sixteen at a time where the kernel has a vector form for that
+    (AVX-512), one at a time otherwise (here: each row alone, hd 1, and a head's last
+    rows past a multiple of 16): both add a row's lane sums in one tree, so each row's
+    output and state are the same bits either way."""
+    seqs, heads, ns = 4, 2, 64
+    x, b, c, dt, a_coef, gen = _ssd_inputs(seqs, heads, hd, ns, 1, 3)
+    state = torch.randn(seqs, heads, hd, ns, generator=gen)
+    rows_state = state.clone()
+    y = cpu_kernels.ssd_step(x, dt, a_coef, b, c, state)
+    assert y is not None
+    for p in range(hd):
+        one = rows_state[:, :, p : p + 1].contiguous()
+        y1 = cpu_kernels.ssd_step(x[:, :, p : p + 1], dt, a_coef, b, c, one)
+        assert y1 is not None
+        assert torch.equal(y1[:, :, 0], y[:, :, p]), p
+        assert torch.equal(one[:, :, 0], state[:, :, p]), p
+
+
 @pytest.mark.parametrize(
     ("lengths", "heads", "hd", "ns", "groups"),
     [

@@ -13,6 +13,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define MAX_DIM 1024
 
@@ -193,35 +196,92 @@ int gdn_step(int seqs, int hk, int hv, int dk, int dv,
  *   S <- exp(dt a) S + (dt x) B^T;  y = S C
  *
  * S: [P, N], row stride sp (N contiguous), updated in place; x: [P], stride xp; b, c: [N];
- * y: [P]. One pass over S. The sum over N runs in LANES partial sums (vector lanes), added in
- * a fixed order at the end.
+ * y: [P]. One pass over S. Each state element becomes fma(dt x_p, B_n, decay S_pn); the sum
+ * over N runs in LANES partial sums (vector lanes, each over n in order), added as a tree:
+ * lanes l and l + 8, then l and l + 4, then (0 + 1) + (2 + 3) (`lanes_sum`). With AVX-512
+ * (N and P multiples of 16) sixteen rows' sums are added at once by shuffles (`ssd_rows16`)
+ * in that same tree, so every path gives the same bits; the lane sums were added one after
+ * another before, a chain of 16 scalar additions per row that took most of a prompt's
+ * scan.
  */
 #define LANES 16
+
+static inline float lanes_sum(const float *acc)
+{
+    float s1[8], s2[4];
+    for (int l = 0; l < 8; l++)
+        s1[l] = acc[l] + acc[l + 8];
+    for (int l = 0; l < 4; l++)
+        s2[l] = s1[l] + s1[l + 4];
+    return (s2[0] + s2[1]) + (s2[2] + s2[3]);
+}
+
+#ifdef __AVX512F__
+/* Sixteen rows p .. p + 15 of ssd_token, N a multiple of 16: the rows' lane sums (one
+ * vector each) are reduced together, four shuffle-and-add levels for all sixteen. Level by
+ * level this is lanes_sum's tree: (1) l + (l + 8), (2) l + (l + 4), (3) 0 + 1 and 2 + 3,
+ * (4) their sum; row r's result ends in lane 4 (r % 4) + r / 4. */
+static inline __attribute__((always_inline)) void
+ssd_rows16(float *S, long sp, const int ns, const float *x, long xp, float d, float decay,
+           const float *bn, const float *cn, float *y)
+{
+    __m512 acc[16], b8[8], c4[4], d2[2];
+    const __m512 dec = _mm512_set1_ps(decay);
+    for (int r = 0; r < 16; r++) {
+        float *row = S + r * sp;
+        const __m512 u = _mm512_set1_ps(x[r * xp] * d);
+        __m512 a = _mm512_setzero_ps();
+        for (int n = 0; n < ns; n += 16) {
+            const __m512 kept = _mm512_mul_ps(_mm512_loadu_ps(row + n), dec);
+            const __m512 v = _mm512_fmadd_ps(u, _mm512_loadu_ps(bn + n), kept);
+            _mm512_storeu_ps(row + n, v);
+            a = _mm512_fmadd_ps(v, _mm512_loadu_ps(cn + n), a);
+        }
+        acc[r] = a;
+    }
+    for (int i = 0; i < 8; i++) /* [r.lo8 sums | r+1.lo8 sums] */
+        b8[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* quarter q: 4 sums of row 4 i + q */
+        c4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b8[2 * i], b8[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(b8[2 * i], b8[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* quarter q: 2 sums of rows 8 i + q and 8 i + 4 + q */
+        d2[i] = _mm512_add_ps(_mm512_shuffle_ps(c4[2 * i], c4[2 * i + 1], 0x88),
+                              _mm512_shuffle_ps(c4[2 * i], c4[2 * i + 1], 0xDD));
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d2[0], d2[1], 0x88),
+                                   _mm512_shuffle_ps(d2[0], d2[1], 0xDD));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    _mm512_storeu_ps(y, _mm512_permutexvar_ps(order, e));
+}
+#endif
 
 static inline __attribute__((always_inline)) void
 ssd_token(float *S, long sp, int hd, const int ns, const float *x, long xp, float d,
           float decay, const float *bn, const float *cn, float *y)
 {
-    for (int p = 0; p < hd; p++) {
+    int p = 0;
+#ifdef __AVX512F__
+    if (ns % 16 == 0)
+        for (; p + 16 <= hd; p += 16)
+            ssd_rows16(S + p * sp, sp, ns, x + p * xp, xp, d, decay, bn, cn, y + p);
+#endif
+    for (; p < hd; p++) {
         float *restrict row = S + p * sp;
         const float u = x[p * xp] * d;
         float acc[LANES] = {0};
         int n = 0;
         for (; n + LANES <= ns; n += LANES)
             for (int l = 0; l < LANES; l++) {
-                const float v = row[n + l] * decay + u * bn[n + l];
+                const float v = fmaf(u, bn[n + l], row[n + l] * decay);
                 row[n + l] = v;
-                acc[l] += v * cn[n + l];
+                acc[l] = fmaf(v, cn[n + l], acc[l]);
             }
         for (; n < ns; n++) {
-            const float v = row[n] * decay + u * bn[n];
+            const float v = fmaf(u, bn[n], row[n] * decay);
             row[n] = v;
-            acc[0] += v * cn[n];
+            acc[0] = fmaf(v, cn[n], acc[0]);
         }
-        float sum = 0.f;
-        for (int l = 0; l < LANES; l++)
-            sum += acc[l];
-        y[p] = sum;
+        y[p] = lanes_sum(acc);
     }
 }
 
