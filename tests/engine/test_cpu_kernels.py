@@ -524,8 +524,34 @@ def test_rms_norm_equals_pytorchs(offset):
         want = F.rms_norm(x, (64,), weight + offset, 1e-6)
         assert got is not None and got.shape == x.shape
         assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
-    assert cpu_kernels.rms_norm(wide[:, 10:74].bfloat16(), weight, 1e-6) is None
+    assert cpu_kernels.rms_norm(wide[:, 10:74].bfloat16(), weight, 1e-6) is None  # mixed
+    assert cpu_kernels.rms_norm(wide[:, 10:74].double(), weight.double(), 1e-6) is None
     assert cpu_kernels.rms_norm(torch.randn(4, 64, 3).transpose(1, 2), weight, 1e-6) is None
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("after_cast", [False, True])
+def test_rms_norm_in_bfloat16_rounds_where_the_pytorch_norm_does(offset, after_cast, monkeypatch):
+    from hybrid_pd.engine.models.common import RMSNorm
+
+    gen = torch.Generator().manual_seed(9)
+    norm = RMSNorm(512, 1e-6, offset=offset, scale_after_cast=after_cast).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(0.5 + 0.3 * torch.randn(512, generator=gen))
+    wide = torch.randn(300, 530, generator=gen).bfloat16()
+    for x in (wide[:, 7:519], torch.randn(2, 5, 512, generator=gen).bfloat16()):
+        with torch.no_grad():
+            fused = norm(x)
+            with monkeypatch.context() as m:
+                m.setattr(cpu_kernels, "rms_norm", lambda *a: None)
+                plain = norm(x)
+        assert fused.dtype is torch.bfloat16 and fused.shape == x.shape
+        # the same roundings: equal but where the sum of squares, summed in another order,
+        # moves a value across a rounding boundary (by a bfloat16 step, at each of the
+        # two roundings with `after_cast`)
+        diff = (fused.float() - plain.float()).abs()
+        assert (diff / plain.float().abs().clamp_min(1e-3)).max().item() <= 2.0**-6
+        assert (diff > 0).float().mean().item() < 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

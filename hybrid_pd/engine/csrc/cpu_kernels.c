@@ -644,26 +644,44 @@ int gate_norm_bf16(long tokens, int inner, int group, const float *y, long ys,
 }
 #undef GATE_NORM_ROWS
 
-/* RMS norm of float32 rows: out = x rsqrt(mean(x^2) + eps) (w + offset). x: [rows, dim],
- * rows xs apart; w: [dim]; out: [rows, dim] contiguous. The sum of squares runs in LANES
- * partial sums. */
+/* RMS norm of rows: out = x rsqrt(mean(x^2) + eps) (w + offset). x: [rows, dim], rows xs
+ * apart; w: [dim]; out: [rows, dim] contiguous; all float32, or all bfloat16 (bf16 = 1),
+ * computed in float32 and rounded where `RMSNorm`'s PyTorch form rounds: once at the end,
+ * or with `after_cast` (x rsqrt(...) rounded first, then times w + offset rounded, and the
+ * product rounded). The sum of squares runs in LANES partial sums. */
 static inline __attribute__((always_inline)) void
-rms_norm(long rows, long dim, const float *x, long xs, const float *w, float offset, float eps,
-         float *out)
+rms_norm(long rows, long dim, const void *x, long xs, const void *w, float offset, float eps,
+         void *out, const int bf16, const int after_cast)
 {
     for (long r = 0; r < rows; r++) {
-        const float *xr = x + r * xs;
-        float *o = out + r * dim;
-        const float s = 1.f / sqrtf(sum_squares(xr, 0, dim, 0) / (float)dim + eps);
-        for (long j = 0; j < dim; j++)
-            o[j] = xr[j] * s * (w[j] + offset);
+        const long xo = r * xs, oo = r * dim;
+        const float s = 1.f / sqrtf(sum_squares(x, xo, dim, bf16) / (float)dim + eps);
+        for (long j = 0; j < dim; j++) {
+            const float v = load_as(x, xo + j, bf16) * s;
+            const float y = after_cast
+                                ? round_as(load_as(w, j, bf16) + offset, bf16) * round_as(v, bf16)
+                                : v * (load_as(w, j, bf16) + offset);
+            store_as(out, oo + j, y, bf16);
+        }
     }
 }
 
 void rms_norm_f32(long rows, long dim, const float *x, long xs, const float *w, float offset,
                   float eps, float *out, int threads)
 {
-    SPLIT_ROWS(rows, rms_norm(nr, dim, x + r0 * xs, xs, w, offset, eps, out + r0 * dim);)
+    SPLIT_ROWS(rows, rms_norm(nr, dim, x + r0 * xs, xs, w, offset, eps, out + r0 * dim, 0, 0);)
+}
+
+void rms_norm_bf16(long rows, long dim, const uint16_t *x, long xs, const uint16_t *w,
+                   float offset, float eps, uint16_t *out, int after_cast, int threads)
+{
+    if (after_cast) {
+        SPLIT_ROWS(rows,
+                   rms_norm(nr, dim, x + r0 * xs, xs, w, offset, eps, out + r0 * dim, 1, 1);)
+    } else {
+        SPLIT_ROWS(rows,
+                   rms_norm(nr, dim, x + r0 * xs, xs, w, offset, eps, out + r0 * dim, 1, 0);)
+    }
 }
 
 /* ------------------------------------------------------------------ causal convolution */
