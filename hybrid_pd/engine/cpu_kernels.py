@@ -194,9 +194,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.norm_rope_f32.argtypes = [long_, i, i, i, p, long_, long_, p, ctypes.c_float]
     lib.norm_rope_f32.argtypes += [ctypes.c_float, p, p, long_, p, i]
     lib.norm_rope_f32.restype = i
-    lib.prompt_attention_f32.argtypes = [i] * 5 + [p, long_, long_, p] + [long_] * 4
-    lib.prompt_attention_f32.argtypes += [p, i, p, i, ctypes.c_float, ctypes.c_float, p, p, i]
-    lib.prompt_attention_f32.restype = i
+    for name in ("prompt_attention_f32", "prompt_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [i] * 5 + [p, long_, long_, p] + [long_] * 4
+        fn.argtypes += [p, i, p, i, ctypes.c_float, ctypes.c_float, p, p, i]
+        fn.restype = i
 
 
 def library() -> ctypes.CDLL | None:
@@ -818,7 +820,8 @@ def prompt_attention(
 ) -> torch.Tensor | None:
     """A prompt chunk's n queries attending to their keys in the paged pool, in C, read
     where they lie; None where the kernel does not apply. q [n, Hq, D]; cache the layer's
-    pool [N, 2, B, Hkv, D], both float32 on the CPU, D contiguous. Keys are numbered along
+    pool [N, 2, B, Hkv, D], both float32 or both bfloat16 (computed in float32, the output
+    rounded once) on the CPU, D contiguous. Keys are numbered along
     the blocks `read` (int64) from slot `first` of the first; query i sees keys lo[i] ..
     own + i (int32 `lo`, never decreasing). `softcap` and `sinks` as in `decode_attention`.
     Returns [n, Hq, D]: what SDPA with the causal (window, chunk) mask computes, summed in
@@ -826,7 +829,7 @@ def prompt_attention(
     matrix). Work splits over torch's threads (`kernel_threads`) by KV head and block of
     queries, each computed whole by one thread: the result does not depend on the count;
     where the kernels cannot share torch's threads (`threads_match`) it declines."""
-    if q.dtype is not torch.float32 or cache.dtype is not torch.float32:
+    if q.dtype not in (torch.float32, torch.bfloat16) or cache.dtype is not q.dtype:
         return None
     if not threads_match():
         return None
@@ -845,7 +848,8 @@ def prompt_attention(
     units = hkv * -(-n // per)
     keys = own + n - int(lo[0])
     out = q.new_empty(n, hq, d)
-    code = lib.prompt_attention_f32(
+    fn = lib.prompt_attention_f32 if q.dtype is torch.float32 else lib.prompt_attention_bf16
+    code = fn(
         hq, hkv, d, cache.shape[2], n, q.data_ptr(), q.stride(0), q.stride(1),
         cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
         read.data_ptr(), first, lo.data_ptr(), own, scale, softcap or 0.0,

@@ -1441,4 +1441,5 @@ prompt_unit(int hq, int hkv, const int d, int bs, const void *q, long qs, long q
         return failed ? 2 : 0;                                                                \
     }
 PROMPT_ATTENTION(prompt_attention_f32, float, 0)
+PROMPT_ATTENTION(prompt_attention_bf16, uint16_t, 1)
 #undef PROMPT_ATTENTION
