@@ -126,6 +126,39 @@ def test_delta_rule_rows_on_strided_rows_matches_the_one_sequence_step():
     assert torch.equal(rows[:, :8], before[:, :8]) and torch.equal(rows[:, -16:], before[:, -16:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompts_convolution_and_its_decode_steps_give_the_same_bits(dtype):
+    """On the CPU the delta rule's causal conv + SiLU runs in float32 in C in a prompt
+    (`conv_silu`) and in a decode step (`conv_step_silu`), in every dtype: a token's output
+    and the state it leaves are the same bits however its tokens came."""
+    from hybrid_pd.engine.models.qwen3_5 import GatedDeltaNet
+
+    gen = torch.Generator().manual_seed(3)
+    layer = GatedDeltaNet({**SMALL, "linear_conv_kernel_dim": 4}, "model.layers.0").to(dtype)
+    with torch.no_grad():
+        layer.conv1d.weight.copy_(torch.randn(layer.conv1d.weight.shape, generator=gen))
+    c = layer.conv_dim
+    x = torch.randn(6, c, generator=gen).to(dtype)
+    state = torch.randn(c, 3, generator=gen).to(dtype)
+    with torch.no_grad():
+        out, new_state = layer._conv(x, state)
+        rows = state.clone()[None]  # one sequence's conv state as a step's rows [1, C, K-1]
+        steps = [
+            layer._conv_step_kernel(rows, x[t : t + 1], layer.conv1d.weight[:, 0]) for t in range(6)
+        ]
+    assert all(s is not None for s in steps)
+    assert out.dtype is torch.float32
+    assert torch.equal(torch.cat(steps), out)
+    assert torch.equal(rows[0], new_state.to(dtype))
+    # and what the PyTorch convolution computes, within its roundings
+    with torch.no_grad():
+        seq = torch.cat([state, x.t()], dim=1).float()
+        ref = torch.nn.functional.silu(
+            torch.nn.functional.conv1d(seq[None], layer.conv1d.weight.float(), groups=c)[0]
+        ).t()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_delta_rule_chunked_matches_recurrent():
     torch.manual_seed(0)
     h, n, dk, dv = 3, 150, 8, 5

@@ -315,8 +315,13 @@ class GatedDeltaNet(nn.Module):
         gathered from and scattered back to the pool once."""
         conv, state = read_state_rows(self.layer_name, batch, rows)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        window = torch.cat([conv.to(weight.dtype), qkv.to(weight.dtype)[:, :, None]], dim=2)
-        mixed = self.act((window * weight).sum(-1)).float()  # [S, C]
+        mixed = self._conv_step_kernel(conv, qkv, weight)
+        if mixed is None:
+            window = torch.cat([conv.to(weight.dtype), qkv.to(weight.dtype)[:, :, None]], dim=2)
+            mixed = self.act((window * weight).sum(-1)).float()  # [S, C]
+            # converted whole, then sliced: a converting copy from the strided slice is 4x
+            # slower
+            conv.copy_(window.to(conv.dtype)[:, :, 1:])
         n = mixed.shape[0]
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], -1)
         q = _l2norm(q.view(n, self.k_heads, self.dk)) * self.dk**-0.5
@@ -330,14 +335,33 @@ class GatedDeltaNet(nn.Module):
             rep = self.v_heads // self.k_heads
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
             out, state = delta_rule_rows(q, k, v, g, beta, state)
-        # converted whole, then sliced: a converting copy from the strided slice is 4x slower
-        conv.copy_(window.to(conv.dtype)[:, :, 1:])
         write_state_rows(self.layer_name, batch, rows, [conv, state])
         return out
 
+    def _conv_step_kernel(self, conv: torch.Tensor, qkv: torch.Tensor, weight: torch.Tensor):
+        """The step's conv and SiLU in C, in float32 whatever the model's dtype (`conv_silu`'s
+        arithmetic per token, as a prompt's `_conv`), `conv` [S, C, K-1] shifted in place;
+        None where the kernel does not apply."""
+        if self.act is not F.silu or conv.stride(1) != conv.shape[2] or conv.stride(2) != 1:
+            return None
+        state = conv if conv.dtype is torch.float32 else conv.float()
+        out = cpu_kernels.conv_step_silu(state, qkv.float(), weight.float(), None)
+        if out is not None and state is not conv:
+            conv.copy_(state)  # the inputs it keeps, exact in the state's dtype
+        return out
+
     def _conv(self, x: torch.Tensor, conv_state: torch.Tensor):
-        """x [n, C] new inputs, conv_state [C, K-1] past inputs -> (act(conv) [n, C], state)."""
+        """x [n, C] new inputs, conv_state [C, K-1] past inputs -> (act(conv) [n, C], state).
+        SiLU on the CPU: `conv_silu` over the window in float32 (a token's output the same
+        bits as in a decode step's `conv_step_silu`, in every dtype)."""
         weight = self.conv1d.weight  # [C, 1, K]
+        if self.act is F.silu:
+            window = torch.cat([conv_state.t().float(), x.float()])  # [K-1+n, C]
+            first = torch.arange(x.shape[0], device=x.device)
+            taps = weight[:, 0].float().t().contiguous()  # [K, C]
+            out = cpu_kernels.conv_silu(window, taps, None, first)
+            if out is not None:
+                return out, window[window.shape[0] - (self.kernel - 1) :].t()
         seq = torch.cat([conv_state.to(weight.dtype), x.t().to(weight.dtype)], dim=1)
         out = F.conv1d(seq[None], weight, groups=self.conv_dim)[0]  # [C, n]
         keep = self.kernel - 1
