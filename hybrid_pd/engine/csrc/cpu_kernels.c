@@ -199,10 +199,10 @@ int gdn_step(int seqs, int hk, int hv, int dk, int dv,
  * y: [P]. One pass over S. Each state element becomes fma(dt x_p, B_n, decay S_pn); the sum
  * over N runs in LANES partial sums (vector lanes, each over n in order), added as a tree:
  * lanes l and l + 8, then l and l + 4, then (0 + 1) + (2 + 3) (`lanes_sum`). With AVX-512
- * (N and P multiples of 16) sixteen rows' sums are added at once by shuffles (`ssd_rows16`)
- * in that same tree, so every path gives the same bits; the lane sums were added one after
- * another before, a chain of 16 scalar additions per row that took most of a prompt's
- * scan.
+ * (N a multiple of 16) the rows go sixteen at a time, their sums added together by shuffles
+ * (`ssd_rows16`) in that same tree, so every path gives the same bits; the lane sums were
+ * added one after another before, a chain of 16 scalar additions per row that took most of
+ * a prompt's scan.
  */
 #define LANES 16
 

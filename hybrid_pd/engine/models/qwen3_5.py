@@ -342,7 +342,9 @@ class GatedDeltaNet(nn.Module):
         """The step's conv and SiLU in C, in float32 whatever the model's dtype (`conv_silu`'s
         arithmetic per token, as a prompt's `_conv`), `conv` [S, C, K-1] shifted in place;
         None where the kernel does not apply."""
-        if self.act is not F.silu or conv.stride(1) != conv.shape[2] or conv.stride(2) != 1:
+        if self.act is not F.silu or conv.device.type != "cpu":
+            return None
+        if conv.stride(1) != conv.shape[2] or conv.stride(2) != 1:
             return None
         state = conv if conv.dtype is torch.float32 else conv.float()
         out = cpu_kernels.conv_step_silu(state, qkv.float(), weight.float(), None)
@@ -355,7 +357,7 @@ class GatedDeltaNet(nn.Module):
         SiLU on the CPU: `conv_silu` over the window in float32 (a token's output the same
         bits as in a decode step's `conv_step_silu`, in every dtype)."""
         weight = self.conv1d.weight  # [C, 1, K]
-        if self.act is F.silu:
+        if self.act is F.silu and x.device.type == "cpu":
             window = torch.cat([conv_state.t().float(), x.float()])  # [K-1+n, C]
             first = torch.arange(x.shape[0], device=x.device)
             taps = weight[:, 0].float().t().contiguous()  # [K, C]
