@@ -175,6 +175,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         long_, long_, p, long_, p, ctypes.c_float, ctypes.c_float, p, i, i,
     ]  # fmt: skip
     lib.rms_norm_bf16.restype = None
+    lib.l2_norm_f32.argtypes = [long_, i, i, p, long_, ctypes.c_float, ctypes.c_float, p, i]
+    lib.l2_norm_f32.restype = None
     for name in ("act_mul_f32", "act_mul_bf16"):
         getattr(lib, name).argtypes = [long_, long_, p, long_, p, long_, p, i, i]
         getattr(lib, name).restype = None
@@ -450,6 +452,28 @@ def ssd_scan(
     if code:
         raise RuntimeError(f"ssd_scan refused its arguments (code {code})")
     return y
+
+
+def l2_norm(x: torch.Tensor, heads: int, scale: float, eps: float) -> torch.Tensor | None:
+    """Each of the `heads` heads side by side in x's rows L2-normed, then times `scale`:
+    (x * rsqrt(sum(x^2) + eps)) * scale per head, in one C pass; None where the kernel does
+    not apply. x [T, heads * dim] float32 on the CPU, rows of any stride, the channels
+    contiguous. Returns [T, heads, dim] (the delta rule's q and k)."""
+    if x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    tokens, width = x.shape
+    if heads < 1 or width % heads or x.stride(1) != 1 or not x.numel():
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    dim = width // heads
+    out = x.new_empty(tokens, heads, dim)
+    lib.l2_norm_f32(
+        tokens, heads, dim, x.data_ptr(), x.stride(0), scale, eps, out.data_ptr(),
+        _split_threads(tokens, tokens * width, _ROWS_SPLIT_MIN),
+    )  # fmt: skip
+    return out
 
 
 #: The activations `act_mul` takes, by the name its callers use.

@@ -529,6 +529,24 @@ def test_rms_norm_equals_pytorchs(offset):
     assert cpu_kernels.rms_norm(torch.randn(4, 64, 3).transpose(1, 2), weight, 1e-6) is None
 
 
+def test_l2_norm_equals_the_delta_rules_pytorch_norm():
+    from hybrid_pd.engine.models.qwen3_5 import _l2norm
+
+    gen = torch.Generator().manual_seed(10)
+    mixed = torch.randn(37, 3 * 4 * 64 + 5, generator=gen)  # q as a view of the conv output
+    q = mixed[:, 5 : 5 + 4 * 64]
+    for scale in (1.0, 64**-0.5):
+        got = cpu_kernels.l2_norm(q, 4, scale, 1e-6)
+        want = _l2norm(q.reshape(37, 4, 64)) * scale
+        assert got is not None and got.shape == (37, 4, 64)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    tiny = torch.zeros(2, 8)  # all zeros: eps keeps it finite
+    assert torch.equal(cpu_kernels.l2_norm(tiny, 2, 1.0, 1e-6), tiny.view(2, 2, 4))
+    assert cpu_kernels.l2_norm(q.bfloat16(), 4, 1.0, 1e-6) is None
+    assert cpu_kernels.l2_norm(q, 3, 1.0, 1e-6) is None  # 256 channels are not 3 heads
+    assert cpu_kernels.l2_norm(q.t(), 4, 1.0, 1e-6) is None
+
+
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("after_cast", [False, True])
 def test_rms_norm_in_bfloat16_rounds_where_the_pytorch_norm_does(offset, after_cast, monkeypatch):

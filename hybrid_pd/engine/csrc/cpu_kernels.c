@@ -684,6 +684,30 @@ void rms_norm_bf16(long rows, long dim, const uint16_t *x, long xs, const uint16
     }
 }
 
+/* L2 norm of heads, then a scale: out = (x rsqrt(sum(x^2) + eps)) scale per head of `dim`
+ * floats (the delta rule's q and k). x: [tokens, heads, dim], tokens xt apart, the heads
+ * side by side; out: [tokens, heads, dim] contiguous. */
+static inline __attribute__((always_inline)) void
+l2_norm(long tokens, int heads, int dim, const float *x, long xt, float scale, float eps,
+        float *out)
+{
+    for (long t = 0; t < tokens; t++)
+        for (int h = 0; h < heads; h++) {
+            const float *xr = x + t * xt + (long)h * dim;
+            float *o = out + (t * heads + h) * (long)dim;
+            const float r = 1.f / sqrtf(sum_squares(xr, 0, dim, 0) + eps);
+            for (int j = 0; j < dim; j++)
+                o[j] = xr[j] * r * scale;
+        }
+}
+
+void l2_norm_f32(long tokens, int heads, int dim, const float *x, long xt, float scale,
+                 float eps, float *out, int threads)
+{
+    SPLIT_ROWS(tokens, l2_norm(nr, heads, dim, x + r0 * xt, xt, scale, eps,
+                               out + r0 * heads * (long)dim);)
+}
+
 /* ------------------------------------------------------------------ causal convolution */
 
 /* A prompt's depthwise causal convolution, then SiLU (Mamba2's conv1d): out[t][c] =

@@ -322,11 +322,7 @@ class GatedDeltaNet(nn.Module):
             # converted whole, then sliced: a converting copy from the strided slice is 4x
             # slower
             conv.copy_(window.to(conv.dtype)[:, :, 1:])
-        n = mixed.shape[0]
-        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], -1)
-        q = _l2norm(q.view(n, self.k_heads, self.dk)) * self.dk**-0.5
-        k = _l2norm(k.view(n, self.k_heads, self.dk))
-        v = v.view(n, self.v_heads, self.dv)
+        q, k, v = self._qkv(mixed)
         # the gathered states are copies (or, not in float32, converted ones): update them
         # where they are and hand them back
         state = state.float()
@@ -337,6 +333,18 @@ class GatedDeltaNet(nn.Module):
             out, state = delta_rule_rows(q, k, v, g, beta, state)
         write_state_rows(self.layer_name, batch, rows, [conv, state])
         return out
+
+    def _qkv(self, mixed: torch.Tensor):
+        """The conv's output [n, C] float32 -> q, k (L2-normed, q scaled by dk^-0.5) [n, Hk,
+        dk] and v [n, Hv, dv]; on the CPU the norms are one C pass each (`l2_norm`)."""
+        n = mixed.shape[0]
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], -1)
+        qn = cpu_kernels.l2_norm(q, self.k_heads, self.dk**-0.5, 1e-6)
+        kn = cpu_kernels.l2_norm(k, self.k_heads, 1.0, 1e-6)
+        if qn is None or kn is None:
+            qn = _l2norm(q.view(n, self.k_heads, self.dk)) * self.dk**-0.5
+            kn = _l2norm(k.view(n, self.k_heads, self.dk))
+        return qn, kn, v.view(n, self.v_heads, self.dv)
 
     def _conv_step_kernel(self, conv: torch.Tensor, qkv: torch.Tensor, weight: torch.Tensor):
         """The step's conv and SiLU in C, in float32 whatever the model's dtype (`conv_silu`'s
@@ -372,10 +380,7 @@ class GatedDeltaNet(nn.Module):
 
     def _delta(self, mixed, g, beta, state):
         n = mixed.shape[0]
-        q, k, v = torch.split(mixed.float(), [self.key_dim, self.key_dim, self.value_dim], -1)
-        q = _l2norm(q.view(n, self.k_heads, self.dk)) * self.dk**-0.5
-        k = _l2norm(k.view(n, self.k_heads, self.dk))
-        v = v.view(n, self.v_heads, self.dv)
+        q, k, v = self._qkv(mixed.float())
         # one token or many, the C kernel's arithmetic per token is that of a decode step
         # (`gdn_step`); it updates a state of its own (`state` may be the pool's)
         own = state.clone(memory_format=torch.contiguous_format)
