@@ -100,16 +100,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        # one C pass on the CPU (float32, or bfloat16 with the roundings below)
+        fused = cpu_kernels.rms_norm(x, self.weight, self.eps, self.offset, self.scale_after_cast)
+        if fused is not None:
+            return fused
         if dtype is torch.float32:
-            fused = cpu_kernels.rms_norm(x, self.weight, self.eps, self.offset)
-            if fused is not None:
-                return fused
             # the same operations as below, in one call: no dtype casts to tell them apart
             weight = self.weight + self.offset if self.offset else self.weight
             return F.rms_norm(x, self.weight.shape, weight, self.eps)
-        fused = cpu_kernels.rms_norm(x, self.weight, self.eps, self.offset, self.scale_after_cast)
-        if fused is not None:  # bfloat16: the same roundings, one pass
-            return fused
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.scale_after_cast:
