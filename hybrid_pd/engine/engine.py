@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -17,6 +18,8 @@ from hybrid_pd.engine.logprobs import logprobs_of, score_prompt
 from hybrid_pd.engine.request import Request, Status
 from hybrid_pd.engine.sampling import SamplingParams, make_generator, sample
 from hybrid_pd.engine.scheduler import Scheduler, SchedulerConfig
+from hybrid_pd.engine.tp.group import SINGLE, TPGroup
+from hybrid_pd.engine.tp.steps import PoolShape, StepPlan
 from hybrid_pd.kvcache.config import KVCacheConfig
 from hybrid_pd.kvcache.grouping import plan_groups
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -75,10 +78,21 @@ class Engine:
         config: EngineConfig,
         tokenizer=None,
         connector: KVConnector | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         """`connector.scheduler` (prefill role): requests added with `remote_decode=True`
         stop after their first token and hand their KV to it. `connector.worker` (decode
-        role): requests added with `remote_kv` get their prompt's KV loaded through it."""
+        role): requests added with `remote_kv` get their prompt's KV loaded through it.
+
+        `tp`: this engine is rank 0 of a tensor-parallel group (`model` and `hf_config`
+        are its shard and rank config); the other ranks run `engine.tp.follower.Follower`
+        and take every step this engine announces. Held state rows are off then (a
+        follower's pool has no allocator to tell it when to write them back)."""
+        if not tp.is_leader:
+            raise ValueError("an Engine runs on rank 0; other ranks run a Follower")
+        self.tp = tp
+        if tp.size > 1:
+            config = dataclasses.replace(config, held_state_rows_bytes=0)
         self.model = model
         self.connector = connector or KVConnector()
         self.tokenizer = tokenizer
@@ -98,6 +112,7 @@ class Engine:
             held_rows_bytes=config.held_state_rows_bytes,
         )
         self.pool.hold_rows_for(self.kv.pool)
+        tp.broadcast(PoolShape.of(self.pool))  # the followers check theirs against it
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_batched_tokens,
@@ -246,22 +261,23 @@ class Engine:
             self.num_steps_with_work += 1
         if not sched.seqs:
             return outputs
-        self.pool.copy_blocks([(int(s), int(d)) for s, d in sched.copies])
+        copies = [(int(s), int(d)) for s, d in sched.copies]
+        self.pool.copy_blocks(copies)
         for seq in sched.seqs:
             self.kv.finish_state_copies(RequestId(seq.request.request_id))
-        batch = make_batch(
-            self.pool,
-            [
-                (
-                    s.request.request_id,
-                    s.request.all_ids[s.num_computed : s.num_computed + s.num_new],
-                    s.num_computed,
-                    s.block_ids,
-                    s.snapshot,
-                )
-                for s in sched.seqs
-            ],
-        )
+        seqs = [
+            (
+                s.request.request_id,
+                s.request.all_ids[s.num_computed : s.num_computed + s.num_new],
+                s.num_computed,
+                s.block_ids,
+                s.snapshot,
+            )
+            for s in sched.seqs
+        ]
+        if self.tp.size > 1:
+            self.tp.broadcast(StepPlan(copies, seqs))
+        batch = make_batch(self.pool, seqs)
         hidden = self.model(batch)
         for seq, info in zip(sched.seqs, batch.seqs, strict=True):
             if seq.request.prompt_logprobs is not None:
@@ -398,6 +414,12 @@ class Engine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[r] for r in rids]
+
+    def release_followers(self) -> None:
+        """Tell the other ranks of the group that no step follows (their `run` returns).
+        Call once, when the engine is done; nothing with one rank."""
+        if self.tp.size > 1:
+            self.tp.broadcast(None)
 
 
 def plan_kv_cache(model, hf_config: dict, config: EngineConfig) -> tuple[KVCacheConfig, int]:

@@ -12,6 +12,9 @@ import torch
 from hybrid_pd.api.tokenizer import Tokenizer
 from hybrid_pd.engine.onednn import use_onednn_linears
 from hybrid_pd.engine.registry import model_class
+from hybrid_pd.engine.tp.build import shard_model
+from hybrid_pd.engine.tp.group import SINGLE, TPGroup
+from hybrid_pd.engine.tp.plans import plan_for
 from hybrid_pd.kvcache.hf_configs import load_config
 
 logger = logging.getLogger(__name__)
@@ -37,9 +40,17 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    path: str | Path, device: str | torch.device | None = None, dtype: str | None = None
+    path: str | Path,
+    device: str | torch.device | None = None,
+    dtype: str | None = None,
+    tp: TPGroup = SINGLE,
 ):
-    """(model, config dict, tokenizer or None) for a checkpoint folder."""
+    """(model, config dict, tokenizer or None) for a checkpoint folder.
+
+    With a tensor-parallel group of several ranks, the model is this rank's shard and the
+    config its rank config (`engine.tp.plans`): its head and width counts are this rank's
+    share, so the engine's cache plan gives this rank's pool. Each rank reads the whole
+    checkpoint once, on the CPU, and keeps its shard."""
     folder = Path(path)
     config = load_config(folder)
     cls = model_class(config)
@@ -49,9 +60,20 @@ def load_model(
     device = torch.device(device) if device is not None else torch.get_default_device()
     if device.type == "cpu" and torch_dtype is torch.float16:
         torch_dtype = torch.float32  # fp16 matmuls are slow or missing on CPU
-    with device:
-        model = cls(config)
-    model.load_weights(iter_safetensors(folder))
+    if tp.size > 1:
+        plan = plan_for(config, tp.size)
+        with torch.device("cpu"):
+            full = cls(config)
+        full.load_weights(iter_safetensors(folder))
+        with device:
+            model = cls(plan.rank_config)
+        shard_model(full, model, plan, tp)
+        del full
+        config = plan.rank_config
+    else:
+        with device:
+            model = cls(config)
+        model.load_weights(iter_safetensors(folder))
     model.to(dtype=torch_dtype)
     model.eval()
     if device.type == "cpu":

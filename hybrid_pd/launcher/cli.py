@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -172,6 +173,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
     p.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        help="ranks of the engine, one process each, splitting heads and widths",
+    )
+    p.add_argument(
         "--disaggregated",
         action="store_true",
         help="prefill in one worker process, decode in another (KV over UCX)",
@@ -198,19 +205,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from hybrid_pd.engine.tiny import resolve_model
     from hybrid_pd.kvcache.planner import parse_bytes
 
-    set_torch_threads(args.threads)
+    size = args.tensor_parallel_size
+    set_torch_threads(args.threads, workers_on_this_host=size)
     tune_malloc()
-    model, config, tokenizer = load_model(resolve_model(args.model), device=args.device)
-    engine = Engine(
-        model,
-        config,
-        EngineConfig(
-            kv_memory_bytes=parse_bytes(args.kv_memory), held_state_rows_bytes=args.held_state_rows
-        ),
-        tokenizer,
+    engine_config = EngineConfig(
+        kv_memory_bytes=parse_bytes(args.kv_memory), held_state_rows_bytes=args.held_state_rows
     )
-    with frozen_heap():
-        out = engine.generate([_prompt_ids(args, tokenizer)], _sampling(args))[0]
+    with tp_ranks(args, size, engine_config) as group:
+        model, config, tokenizer = load_model(
+            resolve_model(args.model), device=args.device, tp=group
+        )
+        engine = Engine(model, config, engine_config, tokenizer, tp=group)
+        try:
+            with frozen_heap():
+                out = engine.generate([_prompt_ids(args, tokenizer)], _sampling(args))[0]
+        finally:
+            engine.release_followers()
     result = {
         "token_ids": out.token_ids,
         "text": out.text if out.text is not None else "",
@@ -219,6 +229,39 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     }
     print(json.dumps(result) if args.json else result["text"])
     return 0
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+@contextlib.contextmanager
+def tp_ranks(args: argparse.Namespace, size: int, engine_config):
+    """This process as rank 0 of `size` (the others started here, stopped at the end);
+    yields the group (the single-rank group when size is 1)."""
+    from hybrid_pd.engine.tp.group import SINGLE, join_group, leave_group, open_rendezvous
+    from hybrid_pd.launcher.tp_rank import start_followers, stop_followers
+
+    if size == 1:
+        yield SINGLE
+        return
+    store, address = open_rendezvous(size)
+    procs = start_followers(args.model, size, address, engine_config, args.device, args.threads)
+    group = None
+    try:
+        group = join_group(0, size, store, args.device)
+        yield group
+    finally:
+        if group is not None:
+            leave_group(group)
+        stop_followers(procs)
 
 
 def _sampling(args: argparse.Namespace):

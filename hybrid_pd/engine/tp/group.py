@@ -1,0 +1,120 @@
+"""A tensor-parallel group of engine processes (ranks) on one node.
+
+Rank 0 schedules and samples; every rank holds a shard of the weights and of the KV pool
+and runs each step's forward pass with the others. Collectives go through
+torch.distributed: gloo where the model lives on the CPU, NCCL on CUDA (chosen from the
+device, never named by the caller). A group of size 1 is the plain single-process engine:
+every collective returns its input untouched.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in its worker's tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} out of range for size {self.size}")
+
+    @property
+    def is_leader(self) -> bool:
+        """Rank 0: the rank that schedules, samples and answers."""
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the ranks, the same bits on every rank. Partial sums in
+        bfloat16 / float16 are added in float32 and rounded once (as one rank's matmul
+        rounds its float32 accumulator once)."""
+        if self.size == 1:
+            return x
+        if x.dtype in (torch.bfloat16, torch.float16):
+            wide = x.float()
+            dist.all_reduce(wide)
+            return wide.to(x.dtype)
+        x = x.contiguous()
+        dist.all_reduce(x)
+        return x
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Rank 0's `obj` on every rank (pickled; small control messages only)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+
+SINGLE = TPGroup()
+
+
+def backend_for(device: torch.device | str | None) -> str:
+    """gloo for CPU tensors, nccl for CUDA ones."""
+    kind = torch.device(device).type if device is not None else torch.get_default_device().type
+    return "nccl" if kind == "cuda" else "gloo"
+
+
+def open_rendezvous(size: int, host: str = "127.0.0.1", timeout_s: float = 300.0):
+    """Rank 0's rendezvous store, bound now to a free port of `host` (no window in which
+    another process could take the port); returns (store, "host:port") for the other
+    ranks' command lines."""
+    store = dist.TCPStore(
+        host,
+        0,
+        size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return store, f"{host}:{store.port}"
+
+
+def join_group(
+    rank: int,
+    size: int,
+    rendezvous,
+    device: torch.device | str | None = None,
+    timeout_s: float = 300.0,
+) -> TPGroup:
+    """Join the worker's group as `rank` of `size`. `rendezvous`: rank 0's store (from
+    `open_rendezvous`) on rank 0, its "host:port" on the others. Size 1 joins nothing."""
+    if size == 1:
+        return SINGLE
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if isinstance(rendezvous, str):
+        host, _, port = rendezvous.rpartition(":")
+        store = dist.TCPStore(host, int(port), size, is_master=False, timeout=timeout)
+    else:
+        store = rendezvous
+    backend = backend_for(device)
+    if backend == "gloo":
+        # A worker's ranks share one node: gloo's pairs stay on loopback (unless told
+        # otherwise), never on the interface the hostname resolves to.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    logger.info("tensor-parallel rank %d of %d joined (%s)", rank, size, backend)
+    return TPGroup(rank, size)
+
+
+def leave_group(group: TPGroup) -> None:
+    if group.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
