@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.tp.group import TPGroup
-from hybrid_pd.engine.tp.plans import TPPlan
+from hybrid_pd.engine.tp.plans.base import TPPlan
 from hybrid_pd.engine.tp.shard import shard_tensor
 
 logger = logging.getLogger(__name__)

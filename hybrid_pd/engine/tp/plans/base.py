@@ -1,0 +1,124 @@
+"""What every family's tensor-parallel plan is made of.
+
+A rank builds its model from a *rank config*: the checkpoint's config with every split
+count (attention and KV heads, GDN key / value heads, Mamba2 heads and groups, MLP and
+expert widths) replaced by its share, and every derived size (head dims, the Mamba2 inner
+size) written out, so each family's own code builds a model of one rank's shape and its
+cache specs give one rank's pool. Weights then split by parameter name (`ParamRules`);
+the outputs of row-parallel modules (attention's o_proj, an MLP's down projection, a
+mixer's out_proj, a whole MoE block) are all-reduced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from hybrid_pd.engine.tp.shard import LEADER_ONLY, ParamRules, Rule, Seg, Split
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """What one rank of `size` needs to build and run its shard of a model."""
+
+    size: int
+    rank_config: dict
+    params: ParamRules
+    #: Module-name patterns (fullmatch) whose outputs are partial sums to all-reduce.
+    reduce: tuple[str, ...]
+    #: Changes the built rank model needs beyond sizes (model, group) -> None.
+    patch: Callable[[nn.Module, Any], None] | None = field(default=None, compare=False)
+
+    def reduces(self, name: str) -> bool:
+        return any(re.fullmatch(p, name) for p in self.reduce)
+
+
+class TPConfigError(ValueError):
+    """The model cannot be split over that many ranks (the message says why)."""
+
+
+def text_config(cfg: Mapping[str, Any]) -> dict:
+    return cfg["text_config"] if isinstance(cfg.get("text_config"), Mapping) else cfg
+
+
+def config_int(text: Mapping[str, Any], key: str, default: Any = None) -> int:
+    value = text.get(key, default)
+    if value is None:
+        raise TPConfigError(f"config field {key!r} is needed to split the model")
+    return int(value)
+
+
+def divide(what: str, count: int, size: int, replicate: bool = False) -> int:
+    """Each rank's share of `count` units (1 for a replicated unit)."""
+    if count % size == 0:
+        return count // size
+    if replicate and size % count == 0:
+        return 1
+    how = "a divisor or a multiple" if replicate else "a divisor"
+    raise TPConfigError(f"tensor-parallel size {size} must be {how} of {what} ({count})")
+
+
+# ------------------------------------------------------------------------- shared rules
+
+
+def attention_rules(prefix: str, heads: int, kv_heads: int, head_dim: int, q_width: int = 0):
+    """q / k / v / o of attention modules named `prefix` (a pattern). `q_width`: rows per
+    query head when they are not head_dim (Qwen3.5's gate rides with its query)."""
+    return (
+        (rf"{prefix}\.q_proj\.(weight|bias)", Split(0, (Seg(heads, q_width or head_dim),))),
+        (rf"{prefix}\.[kv]_proj\.(weight|bias)", Split(0, (Seg(kv_heads, head_dim, True),))),
+        (rf"{prefix}\.o_proj\.weight", Split(1, (Seg(heads, head_dim),))),
+        (rf"{prefix}\.o_proj\.bias", LEADER_ONLY),
+    )
+
+
+def gated_mlp_rules(prefix: str, inter: int) -> tuple[tuple[str, Rule], ...]:
+    """gate / up (column-parallel) and down (row-parallel) of a GatedMLP named `prefix`."""
+    return (
+        (rf"{prefix}\.(gate|up)_proj\.(weight|bias)", Split(0, (Seg(inter),))),
+        (rf"{prefix}\.down_proj\.weight", Split(1, (Seg(inter),))),
+        (rf"{prefix}\.down_proj\.bias", LEADER_ONLY),
+    )
+
+
+def attention_sizes(text: dict, size: int) -> tuple[int, int, int]:
+    heads = config_int(text, "num_attention_heads")
+    kv = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or config_int(text, "hidden_size") // heads)
+    text["num_attention_heads"] = divide("num_attention_heads", heads, size)
+    text["num_key_value_heads"] = divide("num_key_value_heads", kv, size, replicate=True)
+    text["head_dim"] = head_dim
+    return heads, kv, head_dim
+
+
+def mamba2_rules(prefix: str, heads: int, head_dim: int, groups: int, state: int):
+    """A Mamba2Mixer named `prefix`: in_proj rows [z | x | B | C | dt], conv channels
+    [x | B | C], per-head vectors, the gated norm's weight, out_proj columns."""
+    hp, gn = Seg(heads, head_dim), Seg(groups, state, True)
+    return (
+        (rf"{prefix}\.in_proj\.(weight|bias)", Split(0, (hp, hp, gn, gn, Seg(heads)))),
+        (rf"{prefix}\.conv1d\.(weight|bias)", Split(0, (hp, gn, gn))),
+        (rf"{prefix}\.(dt_bias|A_log|D)", Split(0, (Seg(heads),))),
+        (rf"{prefix}\.norm\.weight", Split(0, (hp,))),
+        (rf"{prefix}\.out_proj\.weight", Split(1, (hp,))),
+        (rf"{prefix}\.out_proj\.bias", LEADER_ONLY),
+    )
+
+
+def span_mamba2_norms(groups: int, inner: int):
+    """A plan patch for Mamba2 mixers with fewer groups than ranks: each gated norm
+    group then spans several ranks (`norms.SpannedGatedRMSNorm`)."""
+
+    def patch(model: nn.Module, group) -> None:
+        from hybrid_pd.engine.tp.norms import SpannedGatedRMSNorm
+
+        for module in list(model.modules()):
+            norm = getattr(module, "norm", None)
+            if type(module).__name__ == "Mamba2Mixer" and norm is not None:
+                module.norm = SpannedGatedRMSNorm(norm, group, groups, inner // groups)
+
+    return patch

@@ -1,0 +1,58 @@
+"""Rank 0 of a tensor-parallel engine, run as its own process by tests/engine/test_tp.py:
+starts the other ranks (hybrid_pd.launcher.tp_rank, the product's follower entry), runs
+the test's prompt rounds and prints their greedy tokens as JSON on stdout's last line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hybrid_pd.engine.engine import Engine, EngineConfig
+from hybrid_pd.engine.loader import load_model
+from hybrid_pd.engine.sampling import SamplingParams
+from hybrid_pd.engine.threads import set_torch_threads
+from hybrid_pd.engine.tp.group import join_group, leave_group, open_rendezvous
+from hybrid_pd.launcher.tp_rank import start_followers, stop_followers
+
+
+def engine_config() -> EngineConfig:
+    """Small steps so prompts prefill in several chunks, side by side."""
+    return EngineConfig(kv_memory_bytes=32 * 2**20, max_num_batched_tokens=24)
+
+
+def run_rounds(engine: Engine, rounds: list[list[list[int]]], new: int) -> list[list[list[int]]]:
+    """Each round's prompts together; later rounds hit the prefixes earlier ones cached."""
+    params = SamplingParams(max_tokens=new, ignore_eos=True)
+    return [[o.token_ids for o in engine.generate(prompts, params)] for prompts in rounds]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--rounds", required=True, help="JSON: rounds of prompts (token ids)")
+    p.add_argument("--new", type=int, default=8)
+    args = p.parse_args()
+    set_torch_threads(1)
+    config = engine_config()
+    store, address = open_rendezvous(args.size)
+    procs = start_followers(args.model, args.size, address, config, None, 1)
+    group = join_group(0, args.size, store)
+    try:
+        model, hf_config, tok = load_model(args.model, tp=group)
+        engine = Engine(model, hf_config, config, tok, tp=group)
+        try:
+            out = run_rounds(engine, json.loads(args.rounds), args.new)
+        finally:
+            engine.release_followers()
+        steps = engine.num_steps_with_work
+    finally:
+        leave_group(group)
+        codes = stop_followers(procs)
+    print(json.dumps({"tokens": out, "follower_exit_codes": codes, "steps": steps}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
