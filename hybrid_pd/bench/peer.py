@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.launcher.bench_peer_vllm import Timing, agreeing_tokens, rates, timed_steps
+from hybrid_pd.bench.peer_vllm import Timing, agreeing_tokens, rates, timed_steps
 
 LOAD_TIMEOUT_S = 900.0  # vLLM's import and load on a busy machine
 RUN_TIMEOUT_S = 1800.0  # one batch's generate
@@ -74,7 +74,7 @@ class VllmPeer:
         cpus: list[int],
         env: dict[str, str],
     ) -> None:
-        from hybrid_pd.connector.vllm_servers import TCMALLOC, own_rpc_dir
+        from hybrid_pd.workers.vllm_server import TCMALLOC, own_rpc_dir
 
         root = str(Path(__file__).resolve().parents[2])  # run this checkout's module
         full = dict(os.environ)
@@ -97,7 +97,7 @@ class VllmPeer:
             "w+", prefix="hybrid-pd-peer-vllm-", suffix=".log", delete=False
         )
         args = [
-            python, "-m", "hybrid_pd.launcher.bench_peer_vllm", "--model", str(model),
+            python, "-m", "hybrid_pd.bench.peer_vllm", "--model", str(model),
             "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--max-batch", str(max_batch), "--max-batched-tokens", str(max_batched_tokens),
         ]  # fmt: skip
