@@ -2,10 +2,10 @@
 one run, alternating.
 
 vLLM pins its own torch, so it runs in a child process under its own Python
-(`bench_peer_vllm`), loaded once and kept alive; the parent holds our engine. For every batch
+(`peer_vllm`), loaded once and kept alive; the parent holds our engine. For every batch
 size and repetition: ours, then vLLM, on the same prompt token ids (random ids below the
 vocabulary, from a seed), so machine noise falls on both alike. Both sides use the same
-timing (`bench_peer_vllm.timed_steps`), the same dtype, the same number of CPU threads on the
+timing (`peer_vllm.timed_steps`), the same dtype, the same number of CPU threads on the
 same CPUs (vLLM through VLLM_CPU_OMP_THREADS_BIND, ours through torch.set_num_threads and the
 main thread's affinity), prefix caching off, and a budget that prefills the whole batch in
 one step. Between its runs the peer's processes are stopped (SIGSTOP), so vLLM's idle
@@ -59,7 +59,7 @@ def bench_cpus(threads: int) -> list[int]:
 
 
 class VllmPeer:
-    """The child process running `bench_peer_vllm` under vLLM's Python, in its own process
+    """The child process running `peer_vllm` under vLLM's Python, in its own process
     group. `close()` always ends it (quit, then SIGTERM, then SIGKILL)."""
 
     def __init__(
