@@ -103,7 +103,7 @@ class VllmWorkerActor:
         import tempfile
         from pathlib import Path
 
-        from hybrid_pd.connector.vllm_servers import Server
+        from hybrid_pd.workers.vllm_server import VllmServer
         from hybrid_pd.workers.vllm_worker import VllmWorker
 
         self.name = name
@@ -122,7 +122,7 @@ class VllmWorkerActor:
         env = {"HYBRID_PD_SECRET": secret} if secret else {}
         if ucx_tls:
             env["UCX_TLS"] = ucx_tls
-        self.server = Server(
+        self.server = VllmServer(
             Path(model),
             log,
             dtype=dtype,

@@ -19,6 +19,7 @@ from hybrid_pd.launcher.console import (
     configure_logging,
     forward_ray_logs_plainly,
 )
+from hybrid_pd.launcher.lazy_parser import LazyParser
 
 logger = logging.getLogger("hybrid_pd.launcher.cli")
 
@@ -558,11 +559,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_commands(parser: argparse.ArgumentParser) -> None:
+    """`bench`'s subcommands, filled in when `hybrid-pd bench` is parsed: no other command
+    imports the bench wing."""
+    from hybrid_pd.bench.cli import add_bench_commands
+
+    add_bench_commands(parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid-pd", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hybrid-pd {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
     _add_plan(sub)
     _add_generate(sub)
     _add_serve(sub)
@@ -571,9 +580,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("proxy", help="the OpenAI front door alone, in front of running workers")
     add_arguments(p)
     p.set_defaults(func=run)
-    from hybrid_pd.launcher.bench import add_bench
-
-    add_bench(sub)
+    sub.add_parser("bench", help="run a benchmark and print its figures", fill=_bench_commands)
     return parser
 
 

@@ -524,7 +524,7 @@ def _vllm_slots(config: ServeConfig, model_path: str) -> dict[tuple[str, int], d
     import os
     from pathlib import Path
 
-    from hybrid_pd.connector.vllm_servers import free_port
+    from hybrid_pd.workers.vllm_server import free_port
 
     dtype = config.dtype
     if dtype is None:

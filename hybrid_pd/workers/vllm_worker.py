@@ -44,10 +44,10 @@ from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams, TokenLogprob
 from hybrid_pd.api.wire import card_to_pb, logprob_to_pb, sampling_from_pb
 from hybrid_pd.connector.control import AioServer, call_metadata
-from hybrid_pd.connector.vllm_servers import parse_metrics
 from hybrid_pd.proto import kv_control_pb2, kv_control_pb2_grpc
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
+from hybrid_pd.workers.vllm_server import parse_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from hybrid_pd.connector.vllm_servers import free_port
 from hybrid_pd.engine.engine import Engine, EngineConfig
 from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.launcher.local import WorkerProcess, start_worker
 from hybrid_pd.proxy.worker_client import WorkerClient
+from hybrid_pd.workers.vllm_server import free_port
 
 KV_MEMORY = "8MiB"
 

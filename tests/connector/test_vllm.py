@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_pd.connector.vllm_servers import Server, start_all
+from hybrid_pd.bench.vllm_servers import Server, start_all
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("HYBRID_PD_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
@@ -97,7 +97,7 @@ def test_free_port_is_below_the_ephemeral_range_and_free():
     control server waits for its turn, and took the control port once."""
     import socket
 
-    from hybrid_pd.connector.vllm_servers import _ephemeral_ports, free_port
+    from hybrid_pd.workers.vllm_server import _ephemeral_ports, free_port
 
     low, high = _ephemeral_ports()
     assert 1024 <= low <= high

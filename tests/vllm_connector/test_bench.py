@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hybrid_pd.launcher.bench_vllm import add_bench_vllm, bench_vllm
+from hybrid_pd.bench.vllm_pd import add_bench_vllm, bench_vllm
 from tests.vllm_connector import checkpoints
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hybrid_pd.launcher.bench import add_bench
+from hybrid_pd.bench.cli import add_bench
 from tests.vllm_connector import checkpoints
 
 pytestmark = pytest.mark.slow
@@ -52,7 +52,7 @@ def test_bench_engine_against_vllm(tmp_path, capsys):
 
 
 def test_missing_peer_python_names_the_flag(monkeypatch):
-    from hybrid_pd.launcher.bench_peer import peer_python
+    from hybrid_pd.bench.peer import peer_python
 
     monkeypatch.delenv("HYBRID_PD_VLLM_PYTHON", raising=False)
     with pytest.raises(SystemExit, match="--peer-python"):

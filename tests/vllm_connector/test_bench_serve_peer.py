@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hybrid_pd.launcher.bench import add_bench
+from hybrid_pd.bench.cli import add_bench
 from tests.vllm_connector import checkpoints
 
 pytestmark = pytest.mark.slow

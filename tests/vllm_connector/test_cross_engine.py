@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from hybrid_pd.connector.vllm_servers import Server, cpu_halves, free_port, start_all
+from hybrid_pd.bench.vllm_servers import Server, cpu_halves, start_all
+from hybrid_pd.workers.vllm_server import free_port
 from tests.vllm_connector import checkpoints
 from tests.vllm_connector.test_servers import _body, _prompts
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_pd.launcher.bench_overlap import bench_overlap
+from hybrid_pd.bench.overlap import bench_overlap
 
 pytestmark = pytest.mark.slow
 

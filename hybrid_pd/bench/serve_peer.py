@@ -18,6 +18,8 @@ it. Figures are medians over the repetitions; the ratios are ours / vLLM.
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -25,14 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.launcher.bench_peer_vllm import agreeing_tokens
-from hybrid_pd.launcher.bench_serve import (
-    NEVER,
-    _prompt,
-    _start_workers,
-    run_level,
-    worker_kv_check,
-)
+from hybrid_pd.bench.completions import _prompt, run_level
+from hybrid_pd.bench.peer_vllm import agreeing_tokens
+from hybrid_pd.bench.service import NEVER, _start_workers, worker_kv_check
 
 #: What the JSON's `ratios` compare per level (ours / vLLM).
 RATIO_KEYS = ("output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "e2e_ms_p50")
@@ -71,10 +68,10 @@ def bench_serve_peer(
     reps: int = 2,
     progress: bool = True,
 ) -> dict[str, Any]:
-    from hybrid_pd.connector.vllm_servers import Server
+    from hybrid_pd.bench.peer import bench_cpus, checkpoint_config, checkpoint_dtype
+    from hybrid_pd.bench.vllm_servers import Server
     from hybrid_pd.engine.tiny import resolve_model
     from hybrid_pd.kvcache.planner import parse_bytes
-    from hybrid_pd.launcher.bench_peer import bench_cpus, checkpoint_config, checkpoint_dtype
     from hybrid_pd.proxy.config import ProxyConfig
     from hybrid_pd.proxy.server import ProxyHandle
 
@@ -240,3 +237,39 @@ def _greedy_agreement(per_rep: dict[str, list[list[dict]]]) -> dict[str, Any]:
             first = agreeing_tokens(ids_a[i], ids_b[i])
             differing.append({"concurrency": a["concurrency"], "request": i, "first_token": first})
     return {"compared": both, "equal": equal, "differing": differing}
+
+
+def cmd_bench_serve_peer(args: argparse.Namespace, load: dict[str, Any]) -> int:
+    """`bench serve --peer vllm`: run `bench_serve_peer` with the load flags `load` (see
+    `serve._load_args`), print its figures (JSON with --json); 0 when no request failed and
+    no KV block leaked."""
+    from hybrid_pd.bench.peer import peer_python
+
+    if args.plot:
+        print("--plot is not drawn with --peer", file=sys.stderr)
+    result = bench_serve_peer(
+        peer_python=peer_python(args.peer_python), reps=args.reps, progress=not args.json, **load
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(
+            f"{result['model']} ({result['dtype']}): ours (proxy + one worker) / vLLM's OpenAI "
+            f"server, medians of {result['reps']} alternating reps"
+        )
+        print(f"{'conc':>5} {'tok/s ours':>11} {'vLLM':>8} {'ratio':>6} {'TTFT p50 ours':>14} "
+              f"{'vLLM':>8} {'ITL p50 ours':>13} {'vLLM':>8}")  # fmt: skip
+        for a, b, r in zip(
+            result["setups"]["ours"], result["setups"]["vllm"], result["ratios"], strict=True
+        ):
+            print(
+                f"{a['concurrency']:>5} {a['output_tokens_per_s']!s:>11} "
+                f"{b['output_tokens_per_s']!s:>8} {r['output_tokens_per_s']!s:>6} "
+                f"{a['ttft_ms_p50']!s:>14} {b['ttft_ms_p50']!s:>8} "
+                f"{a['itl_ms_p50']!s:>13} {b['itl_ms_p50']!s:>8}"
+            )
+        g = result["greedy"]
+        print(f"greedy token ids equal: {g['equal']}/{g['compared']} requests")
+        print("no leaked KV blocks" if result["no_leaks"] else f"LEAKS: {result['workers']}")
+    ok = result["no_leaks"] and result["errors"] == 0
+    return 0 if ok else 1

@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.launcher.bench_serve import _ms, _progress, _prompt, worker_kv_check
+from hybrid_pd.bench.completions import _ms, _progress, _prompt
+from hybrid_pd.bench.service import worker_kv_check
 
 #: setup -> (decode-side prefix reuse on, the proxy's kv_routing policy)
 SETUPS: dict[str, tuple[bool, str]] = {

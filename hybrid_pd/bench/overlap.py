@@ -22,8 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.launcher.bench_multiturn import _start
-from hybrid_pd.launcher.bench_serve import _prompt, worker_kv_check
+from hybrid_pd.bench.completions import _prompt
+from hybrid_pd.bench.multiturn import _start
+from hybrid_pd.bench.service import worker_kv_check
 
 MODES = ("off", "on")
 

@@ -1,6 +1,6 @@
 """Bandwidth of the UCX data plane between two local processes.
 
-    python -m hybrid_pd.connector.ucx_bench --sizes 1M,16M,64M --repeats 5 --split 16
+    python -m hybrid_pd.bench.ucx --sizes 1M,16M,64M --repeats 5 --split 16
 
 `measure_pair` spawns a peer process (the sender) with its own UcxTransport; this process
 receives. For each size it measures
@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from hybrid_pd.connector.ucx_transport import UcxTransport, raw_bandwidth
+from hybrid_pd.bench.raw_ucx import raw_bandwidth
+from hybrid_pd.connector.ucx_transport import UcxTransport
 
 SHM_TRANSPORTS = {"sysv", "posix", "cma", "xpmem", "knem", "cuda_ipc", "self"}
 _PIPE_TIMEOUT = 120.0

@@ -2,10 +2,10 @@
 one run, alternating.
 
 vLLM pins its own torch, so it runs in a child process under its own Python
-(`bench_peer_vllm`), loaded once and kept alive; the parent holds our engine. For every batch
+(`peer_vllm`), loaded once and kept alive; the parent holds our engine. For every batch
 size and repetition: ours, then vLLM, on the same prompt token ids (random ids below the
 vocabulary, from a seed), so machine noise falls on both alike. Both sides use the same
-timing (`bench_peer_vllm.timed_steps`), the same dtype, the same number of CPU threads on the
+timing (`peer_vllm.timed_steps`), the same dtype, the same number of CPU threads on the
 same CPUs (vLLM through VLLM_CPU_OMP_THREADS_BIND, ours through torch.set_num_threads and the
 main thread's affinity), prefix caching off, and a budget that prefills the whole batch in
 one step. Between its runs the peer's processes are stopped (SIGSTOP), so vLLM's idle
@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.launcher.bench_peer_vllm import Timing, agreeing_tokens, rates, timed_steps
+from hybrid_pd.bench.peer_vllm import Timing, agreeing_tokens, rates, timed_steps
 
 LOAD_TIMEOUT_S = 900.0  # vLLM's import and load on a busy machine
 RUN_TIMEOUT_S = 1800.0  # one batch's generate
@@ -59,7 +59,7 @@ def bench_cpus(threads: int) -> list[int]:
 
 
 class VllmPeer:
-    """The child process running `bench_peer_vllm` under vLLM's Python, in its own process
+    """The child process running `peer_vllm` under vLLM's Python, in its own process
     group. `close()` always ends it (quit, then SIGTERM, then SIGKILL)."""
 
     def __init__(
@@ -74,7 +74,7 @@ class VllmPeer:
         cpus: list[int],
         env: dict[str, str],
     ) -> None:
-        from hybrid_pd.connector.vllm_servers import TCMALLOC, own_rpc_dir
+        from hybrid_pd.workers.vllm_server import TCMALLOC, own_rpc_dir
 
         root = str(Path(__file__).resolve().parents[2])  # run this checkout's module
         full = dict(os.environ)
@@ -97,7 +97,7 @@ class VllmPeer:
             "w+", prefix="hybrid-pd-peer-vllm-", suffix=".log", delete=False
         )
         args = [
-            python, "-m", "hybrid_pd.launcher.bench_peer_vllm", "--model", str(model),
+            python, "-m", "hybrid_pd.bench.peer_vllm", "--model", str(model),
             "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--max-batch", str(max_batch), "--max-batched-tokens", str(max_batched_tokens),
         ]  # fmt: skip

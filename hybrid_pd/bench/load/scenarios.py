@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.launcher.bench_load.mix import (
+from hybrid_pd.bench.load.mix import (
     LoadRequest,
     Outcome,
     compare_texts,
@@ -32,10 +32,10 @@ from hybrid_pd.launcher.bench_load.mix import (
     summarize,
     texts,
 )
-from hybrid_pd.launcher.bench_load.options import WORKERS, LoadOptions
-from hybrid_pd.launcher.bench_load.procs import Serve
-from hybrid_pd.launcher.bench_load.state import settle, worker_with_role
-from hybrid_pd.launcher.bench_serve import _routes
+from hybrid_pd.bench.load.options import WORKERS, LoadOptions
+from hybrid_pd.bench.load.procs import Serve
+from hybrid_pd.bench.load.state import settle, worker_with_role
+from hybrid_pd.bench.service import _routes
 
 #: A wait of this fraction of a limit counts as "near a timeout".
 NEAR = 0.8

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_pd.launcher.bench_serve import _ms, _progress
+from hybrid_pd.bench.completions import _ms, _progress
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.connector.vllm_servers import Server, cpu_halves, free_port, start_all
-from hybrid_pd.launcher.bench_peer_vllm import agreeing_tokens
+from hybrid_pd.bench.peer_vllm import agreeing_tokens
+from hybrid_pd.bench.vllm_servers import Server, cpu_halves, start_all
+from hybrid_pd.workers.vllm_server import free_port
 
 CONNECTORS = ("hybrid-pd", "nixl")
 

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from hybrid_pd.connector import transfer_bench
+from hybrid_pd.bench import transfer as transfer_bench
 
 if importlib.util.find_spec("ucxx") is None:
     pytest.skip("ucxx not installed", allow_module_level=True)

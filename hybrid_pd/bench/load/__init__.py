@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from hybrid_pd.launcher.bench_load.options import (
+from hybrid_pd.bench.load.options import (
     FULL,
     MODES,
     QUICK,
@@ -29,8 +29,8 @@ from hybrid_pd.launcher.bench_load.options import (
     LoadOptions,
     options_from_args,
 )
-from hybrid_pd.launcher.bench_load.procs import run_in_netns
-from hybrid_pd.launcher.bench_load.scenarios import run_bench
+from hybrid_pd.bench.load.procs import run_in_netns
+from hybrid_pd.bench.load.scenarios import run_bench
 
 
 def add_load_parser(bsub: argparse._SubParsersAction) -> None:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hybrid_pd.launcher.bench_load.mix import Outcome, make_mix, make_request, summarize
+from hybrid_pd.bench.load.mix import Outcome, make_mix, make_request, summarize
 
 
 def _text(r) -> str:

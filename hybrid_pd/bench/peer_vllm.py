@@ -1,6 +1,6 @@
 """The vLLM side of `hybrid-pd bench engine --peer vllm`, and the timing both sides share.
 
-Run as `python -m hybrid_pd.launcher.bench_peer_vllm --model PATH ...` under the Python that
+Run as `python -m hybrid_pd.bench.peer_vllm --model PATH ...` under the Python that
 has vLLM. It loads `vllm.LLM` once, says `{"ok": true, ...}` on its protocol stream, then
 answers one JSON line per request line read from stdin:
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_pd.launcher import bench_peer
-from hybrid_pd.launcher.bench_peer import VllmPeer, parse_env, peer_python
-from hybrid_pd.launcher.bench_peer_vllm import Timing, rates, timed_steps
+from hybrid_pd.bench import peer as bench_peer
+from hybrid_pd.bench.peer import VllmPeer, parse_env, peer_python
+from hybrid_pd.bench.peer_vllm import Timing, rates, timed_steps
 
 
 def test_prefill_ends_when_every_request_has_its_first_token():

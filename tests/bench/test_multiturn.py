@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hybrid_pd.launcher.bench_multiturn import _round_stats, _routing, bench_multiturn
+from hybrid_pd.bench.multiturn import _round_stats, _routing, bench_multiturn
 
 CONVERSATIONS, TURNS, SYSTEM_LEN, USER_LEN, MAX_TOKENS = 2, 3, 200, 16, 8
 

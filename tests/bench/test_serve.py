@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from hybrid_pd.launcher.bench_serve import _pct, bench_serve
+from hybrid_pd.bench.completions import _pct
+from hybrid_pd.bench.serve import bench_serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -42,8 +42,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def bench_proxy(prompt_mb: float, reps: int) -> dict[str, Any]:
-    from hybrid_pd.connector.vllm_servers import free_port
     from hybrid_pd.launcher.local import start_worker
+    from hybrid_pd.workers.vllm_server import free_port
 
     worker = start_worker("both", "--kv-memory", "32MiB", "--threads", "1")
     port = free_port()

@@ -3,7 +3,7 @@ whole bench against a real vLLM server is tests/vllm_connector/test_bench_serve_
 
 from __future__ import annotations
 
-from hybrid_pd.launcher.bench_serve_peer import _greedy_agreement, _median_rows, rep_prompts
+from hybrid_pd.bench.serve_peer import _greedy_agreement, _median_rows, rep_prompts
 
 
 def _row(c, tps, errors=0, ids=None):

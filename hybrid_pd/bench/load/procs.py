@@ -3,7 +3,7 @@ everything it started), finding a worker process among its descendants to kill, 
 private network namespace the whole bench runs in.
 
 The namespace (`unshare -n`, loopback up) holds a re-executed copy of the bench
-(`python -m hybrid_pd.launcher.bench_load`, options in the environment, JSON on stdout); the
+(`python -m hybrid_pd.bench.load`, options in the environment, JSON on stdout); the
 service in there listens on 127.0.0.1 only, and nothing left inside outlives the run."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.launcher.bench_load.options import LoadOptions
+from hybrid_pd.bench.load.options import LoadOptions
 
 #: The child inside the network namespace reads its options from this variable.
 OPTS_ENV = "HYBRID_PD_BENCH_LOAD_OPTS"
@@ -252,7 +252,7 @@ def run_in_netns(opts: LoadOptions) -> dict[str, Any]:
         )
     own = _netns("self")
     # `-m` of the package runs its __main__.py: the child's entry point.
-    script = 'ip link set lo up && exec "$0" -m hybrid_pd.launcher.bench_load'
+    script = 'ip link set lo up && exec "$0" -m hybrid_pd.bench.load'
     proc = subprocess.Popen(
         ["unshare", "-n", "--", "sh", "-c", script, sys.executable],
         stdin=subprocess.DEVNULL,

@@ -1,5 +1,5 @@
 """The bench's child inside its private network namespace: `run_in_netns` starts it as
-`python -m hybrid_pd.launcher.bench_load` with the options in the environment; it prints the
+`python -m hybrid_pd.bench.load` with the options in the environment; it prints the
 result as one line of JSON."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import signal
 import sys
 from typing import Any
 
-from hybrid_pd.launcher.bench_load.options import LoadOptions
-from hybrid_pd.launcher.bench_load.procs import OPTS_ENV
-from hybrid_pd.launcher.bench_load.scenarios import run_bench
+from hybrid_pd.bench.load.options import LoadOptions
+from hybrid_pd.bench.load.procs import OPTS_ENV
+from hybrid_pd.bench.load.scenarios import run_bench
 
 
 def main() -> int:
