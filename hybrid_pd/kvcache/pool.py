@@ -151,7 +151,11 @@ class KVPool:
         return self.buffer[:, off : off + group.slot_bytes], group.blocks_per_state
 
     def attention_view(self, layer_name: str) -> torch.Tensor:
-        """[num_blocks, 2 (K, V), block_size, kv_heads, head_dim] view of one layer's KV."""
+        """[num_blocks, 2 (K, V), block_size, kv_heads, head_dim] view of one layer's KV.
+
+        The slot itself is head-major, [kv_heads, 2, block_size, head_dim]: a KV head's K
+        and V for the block's tokens lie together, so a range of heads (what one rank of a
+        tensor-parallel peer holds) is one contiguous piece of the slot."""
         view = self._attention_views.get(layer_name)
         if view is None:
             view = self._attention_views[layer_name] = self._make_attention_view(layer_name)
@@ -164,7 +168,8 @@ class KVPool:
         raw, _ = self._slot(layer_name)
         n = spec.page_bytes(self.config.block_size)
         typed = raw[:, :n].view(torch_dtype(spec.dtype))
-        return typed.unflatten(1, (2, self.config.block_size, spec.num_kv_heads, spec.head_dim))
+        shape = (spec.num_kv_heads, 2, self.config.block_size, spec.head_dim)
+        return typed.unflatten(1, shape).permute(0, 2, 3, 1, 4)
 
     def state_views(self, layer_name: str) -> list[torch.Tensor]:
         """One [num_blocks, *shape] view per state tensor of a layer whose state fits in one

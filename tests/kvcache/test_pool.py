@@ -58,11 +58,12 @@ def test_buffer_and_device(pool: KVPool, request: pytest.FixtureRequest) -> None
 def test_attention_view_shape_dtype_and_strides(pool: KVPool) -> None:
     view = pool.attention_view("a1")
     assert view.shape == (8, 2, B, 2, 4) and view.dtype == torch.float16
-    assert view.stride() == (PAGE // 2, B * 2 * 4, 2 * 4, 4, 1)
+    # head-major slot [kv_heads, 2, B, head_dim]: a head's K and V side by side
+    assert view.stride() == (PAGE // 2, B * 4, 4, 2 * B * 4, 1)
     assert layer_range(pool, view) == (128, 256)
     sw = pool.attention_view("w0")
     assert sw.shape == (8, 2, B, 1, 8) and sw.dtype == torch.float32
-    assert sw.stride() == (PAGE // 4, B * 8, 8, 8, 1)
+    assert sw.stride() == (PAGE // 4, B * 8, 8, 2 * B * 8, 1)
     assert layer_range(pool, sw) == (0, 256)  # first slot of its own group's page
 
 
