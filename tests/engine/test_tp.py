@@ -38,6 +38,11 @@ CASES = {
     "qwen3_5": ("qwen3_5", {}, (2,)),
     "granite_groups2": ("granite_hybrid", {}, (2,)),
     "granite_groups1": ("granite_hybrid", {"name": "granite_g1", "mamba_n_groups": 1}, (2,)),
+    "jamba": ("jamba", {}, (2,)),
+    # mamba_expand 4: a rank's Mamba inner size stays a multiple of hidden_size at 4 ranks
+    "jamba_expand4": ("jamba", {"name": "jamba_e4", "mamba_expand": 4}, (4,)),
+    "gpt_oss": ("gpt_oss", {}, (2, 4)),
+    "llama4": ("llama4", {}, (2, 4)),
 }
 PROMPTS = [
     [
@@ -170,6 +175,15 @@ def test_unsplittable_sizes_are_refused_by_name(folders):
         plan_for(config, 3)
     with pytest.raises(TPConfigError, match="not available for"):
         plan_for({"architectures": ["SomethingElse"]}, 2)
+
+
+def test_jamba_inner_size_must_stay_a_multiple_of_hidden(folders):
+    """Jamba's model and cache planner read the Mamba inner size as an integer
+    mamba_expand times hidden_size: more ranks than mamba_expand divides are refused."""
+    config = load_config(folders["jamba"])  # mamba_expand 2
+    assert plan_for(config, 2).rank_config["mamba_expand"] == 1
+    with pytest.raises(TPConfigError, match="mamba_expand"):
+        plan_for(config, 4)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hybrid_pd.engine.tp.plans import dense, granite, qwen3_5
+from hybrid_pd.engine.tp.plans import dense, gpt_oss, granite, jamba, llama4, qwen3_5
 from hybrid_pd.engine.tp.plans.base import TPConfigError, TPPlan
 
 __all__ = ["TPConfigError", "TPPlan", "plan_for"]
@@ -24,6 +24,10 @@ _PLANS: dict[str, Callable[[dict, int], TPPlan]] = {
     "Qwen3_5MoeForCausalLM": qwen3_5.plan,
     "Qwen3_5MoeForConditionalGeneration": qwen3_5.plan,
     "Qwen3NextForCausalLM": qwen3_5.plan,
+    "JambaForCausalLM": jamba.plan,
+    "GptOssForCausalLM": gpt_oss.plan,
+    "Llama4ForCausalLM": llama4.plan,
+    "Llama4ForConditionalGeneration": llama4.plan,
 }
 
 
