@@ -22,6 +22,7 @@ import grpc
 
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import GroupGeometry, KVLayout
+from hybrid_pd.kvcache.tp_layout import SlotRows
 from hybrid_pd.proto import kv_control_pb2 as pb
 from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
 
@@ -45,10 +46,22 @@ def layout_to_pb(layout: KVLayout) -> pb.Layout:
                 num_layers=g.num_layers,
                 slot_bytes=g.slot_bytes,
                 blocks_per_state=g.blocks_per_state,
+                rows=[
+                    pb.SlotRows(
+                        offset=r.offset,
+                        row_bytes=r.row_bytes,
+                        segments=[
+                            pb.RowSegment(units=u, width=w, replicate=rep)
+                            for u, w, rep in r.segments
+                        ],
+                    )
+                    for r in g.rows
+                ],
             )
             for g in layout.groups
         ],
         model=layout.model,
+        tp_size=layout.tp_size,
     )
 
 
@@ -57,10 +70,25 @@ def layout_from_pb(msg: pb.Layout) -> KVLayout:
         msg.block_size,
         msg.page_size_bytes,
         tuple(
-            GroupGeometry(g.kind, g.spec, g.num_layers, g.slot_bytes, g.blocks_per_state)
+            GroupGeometry(
+                g.kind,
+                g.spec,
+                g.num_layers,
+                g.slot_bytes,
+                g.blocks_per_state,
+                tuple(
+                    SlotRows(
+                        r.offset,
+                        r.row_bytes,
+                        tuple((s.units, s.width, s.replicate) for s in r.segments),
+                    )
+                    for r in g.rows
+                ),
+            )
             for g in msg.groups
         ),
         msg.model,
+        msg.tp_size or 1,
     )
 
 
@@ -184,6 +212,7 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         remaining = context.time_remaining()
         timeout = max(1.0, (remaining if remaining is not None else 30.0) - 0.5)
         dst = [list(g.ids) for g in request.dst_blocks]
+        dst_layout = layout_from_pb(request.dst_layout) if request.HasField("dst_layout") else None
         if request.stage_epoch:
             send = partial(
                 self.prefill.pull_stage,
@@ -209,6 +238,7 @@ class KVControlServicer(pb_grpc.KVControlServicer):
                     tag=request.tag,
                     timeout=timeout,
                     message_regions=list(request.message_regions),
+                    dst_layout=dst_layout,
                 ),
             )
         except Exception as e:  # reported to the caller; the lease stays until released

@@ -41,6 +41,7 @@ from hybrid_pd.connector.segments import (
     pack_messages,
     split_iov,
 )
+from hybrid_pd.connector.tp_plan import ShardedPlan
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 from hybrid_pd.proto import kv_control_pb2 as pb
 from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
@@ -69,6 +70,9 @@ class _Peer:
     ucx_address: bytes
     engine_id: str
     scatter_gather: bool  # takes several regions per message (PullRequest.message_regions)
+    layout: KVLayout | None = None
+    #: The transfer plan between its pools and ours (tensor-parallel pairs; else ours).
+    plan: object = None
 
 
 class DecodeConnector:
@@ -88,19 +92,23 @@ class DecodeConnector:
         message_max_bytes: int = MESSAGE_MAX_BYTES,
         message_max_regions: int = MESSAGE_MAX_REGIONS,
         max_staged_loads: int = 64,
+        shard_buffers: Callable[[], Sequence] | None = None,
     ) -> None:
         """`peers`: control addresses of the prefill workers this worker may dial (more
         come through `add_peers`); kv_transfer_params naming any other address fail.
         `region(first_block, n)` or `plan`: as for PrefillConnector. `scatter_gather`:
         pack a transfer's regions (runs of blocks) into few UCX messages, each at most
         `message_max_regions` regions and `message_max_bytes` bytes (CPU pools, and peers
-        that take it); off: one message per region."""
+        that take it); off: one message per region. `shard_buffers()`: this worker's
+        ranks' pools, rank order (a tensor-parallel worker, or any worker pulling from
+        one: `connector.tp_plan`)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
         self.layout = layout
         self.transport = transport
         self._plan = plan if plan is not None else PagedPlan(region, layout.page_size_bytes)
+        self._shard_buffers = shard_buffers
         self._metadata = call_metadata(secret)
         self.timeout_s = timeout_s
         self._peers: dict[str, _Peer] = {}
@@ -402,22 +410,41 @@ class DecodeConnector:
             raise TransferFailed(
                 f"prefill worker {address} refused the handshake: {diff or reply.error}"
             )
-        peer = _Peer(channel, stub, reply.ucx_address, reply.engine_id, reply.scatter_gather)
+        peer_layout = layout_from_pb(reply.layout)
+        peer = _Peer(
+            channel,
+            stub,
+            reply.ucx_address,
+            reply.engine_id,
+            reply.scatter_gather,
+            peer_layout,
+            self._plan_with(peer_layout),
+        )
         with self._lock:
             self._peers.setdefault(address, peer)
         return peer
+
+    def _plan_with(self, peer_layout: KVLayout):
+        """Our plan for pulls from a peer of `peer_layout`: pages of one pool each side, or
+        pieces between tensor-parallel groups (`connector.tp_plan.ShardedPlan`)."""
+        if self.layout.tp_size == 1 and peer_layout.tp_size == 1:
+            return self._plan
+        if self._shard_buffers is None:
+            raise TransferFailed("a tensor-parallel peer needs this worker's pools in rank order")
+        return ShardedPlan(peer_layout, self.layout, self._shard_buffers)
 
     def _messages(self, peer: _Peer, runs: Sequence) -> tuple[list, list[int]]:
         """(the transport's messages to receive into, the packing the prefill side is told:
         regions per message, or [] for one message per region)."""
         packs = self.scatter_gather and peer.scatter_gather
-        if packs and isinstance(self._plan, PagedPlan) and runs:
-            found = self._plan.iov(runs, "dst")  # one pool: rows, not a tensor per run
+        plan = peer.plan or self._plan
+        if packs and isinstance(plan, (PagedPlan, ShardedPlan)) and len(runs):
+            found = plan.iov(runs, "dst")  # pools: rows, not a tensor per run
             if found is not None:
                 iov, pool = found
                 packing = self._pack(iov[:, 1].tolist())
                 return split_iov(iov, pool, packing), packing
-        regions = self._plan.dst_regions(runs)
+        regions = plan.dst_regions(runs)
         if not packs or len(regions) < 2 or any(r.device.type != "cpu" for r in regions):
             return regions, []  # scatter-gather between GPUs is not checked yet
         packing = self._pack([r.numel() * r.element_size() for r in regions])
@@ -496,7 +523,7 @@ class DecodeConnector:
         to send them (PullKV with `fields`); its reply once the bytes have arrived. Raises
         _Refused when the prefill worker refused, TransferFailed when the transfer failed."""
         try:
-            messages, packing = self._messages(peer, self._plan.runs(src, dst))
+            messages, packing = self._messages(peer, (peer.plan or self._plan).runs(src, dst))
         except ValueError as e:
             raise TransferFailed(f"{what} does not fit this request: {e}") from e
         if len(messages) >= 1 << 16:
@@ -513,6 +540,7 @@ class DecodeConnector:
                     tag=tag,
                     dst_blocks=[pb.BlockIds(ids=g) for g in dst],
                     message_regions=packing,
+                    dst_layout=layout_to_pb(self.layout) if peer.plan is not self._plan else None,
                     **fields,
                 ),
                 timeout=self.timeout_s,

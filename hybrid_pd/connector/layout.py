@@ -6,6 +6,7 @@ import hashlib
 from dataclasses import dataclass
 
 from hybrid_pd.kvcache.config import KVCacheConfig
+from hybrid_pd.kvcache.tp_layout import SlotRows, TPLayoutError, slot_rows
 
 #: How the connector inside vLLM begins its layout's model name.
 VLLM_PREFIX = "vllm:"
@@ -18,28 +19,46 @@ class GroupGeometry:
     num_layers: int
     slot_bytes: int
     blocks_per_state: int
+    #: The slot's tensors as this worker's ranks hold them (kvcache.tp_layout); empty
+    #: where not described.
+    rows: tuple[SlotRows, ...] = ()
 
 
 @dataclass(frozen=True)
 class KVLayout:
+    """One rank's pool geometry (all ranks of a worker hold the same), with the number of
+    ranks. Page and slot sizes are one rank's."""
+
     block_size: int
     page_size_bytes: int
     groups: tuple[GroupGeometry, ...]
     model: str
+    tp_size: int = 1
 
     @classmethod
-    def of(cls, config: KVCacheConfig, model: str) -> KVLayout:
-        return cls(
-            config.block_size,
-            config.page_size_bytes,
-            tuple(
+    def of(
+        cls, config: KVCacheConfig, model: str, full: KVCacheConfig | None = None, tp_size: int = 1
+    ) -> KVLayout:
+        """`full`: the whole model's grouping when `config` is one TP rank's (default:
+        `config` itself, TP 1)."""
+        full = full or config
+        groups = []
+        for g, whole in zip(config.groups, full.groups, strict=True):
+            try:
+                rows = slot_rows(whole.spec, g.spec, config.block_size)
+            except TPLayoutError:
+                rows = ()
+            groups.append(
                 GroupGeometry(
-                    g.kind, repr(g.spec), len(g.layer_names), g.slot_bytes, g.blocks_per_state
+                    g.kind,
+                    repr(g.spec),
+                    len(g.layer_names),
+                    g.slot_bytes,
+                    g.blocks_per_state,
+                    rows,
                 )
-                for g in config.groups
-            ),
-            model,
-        )
+            )
+        return cls(config.block_size, config.page_size_bytes, tuple(groups), model, tp_size)
 
     @property
     def fingerprint(self) -> str:
@@ -69,7 +88,8 @@ class KVLayout:
                 f"here; {other.describe()} on the peer): hand-overs between the two engines "
                 "are not supported"
             )
-        for name in ("model", "block_size", "page_size_bytes"):
+        same_tp = self.tp_size == other.tp_size
+        for name in ("model", "block_size", "page_size_bytes")[: 3 if same_tp else 2]:
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 return f"KV layout mismatch: {name} is {a!r} here but {b!r} on the peer"
@@ -78,6 +98,8 @@ class KVLayout:
                 f"KV layout mismatch: {len(self.groups)} KV cache groups here but "
                 f"{len(other.groups)} on the peer"
             )
+        if self.tp_size != other.tp_size:
+            return self._tp_difference(other)
         for i, (a, b) in enumerate(zip(self.groups, other.groups, strict=True)):
             for name in ("kind", "spec", "num_layers", "slot_bytes", "blocks_per_state"):
                 x, y = getattr(a, name), getattr(b, name)
@@ -85,4 +107,26 @@ class KVLayout:
                     return (
                         f"KV layout mismatch: group {i} {name} is {x!r} here but {y!r} on the peer"
                     )
+        return None
+
+    def _tp_difference(self, other: KVLayout) -> str | None:
+        """Pools of TP groups of different sizes map onto each other when every group has
+        the same kind, layers and blocks per state, one block per state, and slot rows
+        described the same way (kvcache.tp_layout); else a message naming what differs."""
+        pair = f"tensor-parallel size {self.tp_size} here and {other.tp_size} on the peer"
+        for i, (a, b) in enumerate(zip(self.groups, other.groups, strict=True)):
+            for name in ("kind", "num_layers", "blocks_per_state"):
+                x, y = getattr(a, name), getattr(b, name)
+                if x != y:
+                    return f"KV layout mismatch ({pair}): group {i} {name} is {x!r} / {y!r}"
+            if a.blocks_per_state != 1:
+                return (
+                    f"KV layout mismatch ({pair}): group {i} spreads a state over "
+                    f"{a.blocks_per_state} blocks, which moves only between equal TP sizes"
+                )
+            if not a.rows or [r.segments for r in a.rows] != [r.segments for r in b.rows]:
+                return (
+                    f"KV layout mismatch ({pair}): group {i} ({a.kind}) does not describe "
+                    "its slot rows the same way on both sides"
+                )
         return None

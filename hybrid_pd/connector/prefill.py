@@ -30,6 +30,7 @@ from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.segments import PagedPlan, TransferPlan, group_regions, split_iov
+from hybrid_pd.connector.tp_plan import ShardedPlan
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class PrefillConnector:
         lease_s: float = DEFAULT_LEASE_S,
         keep_wait_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        shard_buffers: Callable[[], Sequence] | None = None,
     ) -> None:
         """`free_blocks(request_id)` frees a kept request in the engine (thread-safe);
         `region(first_block, n)` returns the contiguous tensor of n blocks of our engine's
@@ -146,6 +148,9 @@ class PrefillConnector:
         self.control_address = control_address
         self._free_blocks = free_blocks
         self._plan = plan if plan is not None else PagedPlan(region, layout.page_size_bytes)
+        #: This worker's ranks' pools in rank order (`connector.tp_plan`), for pulls
+        #: between tensor-parallel groups.
+        self._shard_buffers = shard_buffers
         self.transport = transport
         self.lease_s = lease_s
         self._clock = clock
@@ -306,6 +311,7 @@ class PrefillConnector:
         tag: int,
         timeout: float = 30.0,
         message_regions: Sequence[int] = (),
+        dst_layout: KVLayout | None = None,
     ) -> PullResult:
         """Send group g's final attention blocks start[g] .. end[g] of a request
         still in prefill (or just kept) into `dst_blocks[g]`. Raises TransferFailed when the
@@ -322,13 +328,14 @@ class PrefillConnector:
                 self.stats["staged_void"] += 1
                 raise TransferFailed(f"request {request_id}: its blocks changed (preempted)")
             src = self._stage_src(blocks, start, end)
+        plan = self._plan_for(dst_layout)
         try:
-            runs = self._plan.runs(src, dst_blocks)
+            runs = plan.runs(src, dst_blocks)
         except ValueError as e:
             raise TransferFailed(f"request {request_id}: {e}") from e
-        messages = self._messages(runs, message_regions, request_id, peer, tag)
+        messages = self._messages(plan, runs, message_regions, request_id, peer, tag)
         self.transport.send(peer, tag, messages, timeout)
-        nbytes = self._plan.nbytes(runs)
+        nbytes = plan.nbytes(runs)
         with self._lock:
             if self._epoch_of(request_id) != epoch:
                 self.stats["staged_void"] += 1
@@ -381,19 +388,22 @@ class PrefillConnector:
         timeout: float = 30.0,
         skip: Sequence[int] = (),
         message_regions: Sequence[int] = (),
+        dst_layout: KVLayout | None = None,
     ) -> PullResult:
         """Send the request's kept blocks to `peer` into `dst_blocks` (per group). `skip[g]`:
         decode holds group g's first kept blocks already; only the rest are sent.
         `message_regions[i]`: how many regions message i carries (scatter-gather); empty:
-        one message per region."""
+        one message per region. `dst_layout`: the decode worker's, when either side is
+        tensor-parallel."""
+        plan = self._plan_for(dst_layout)
         with self._lock:
             self._wait_kept(request_id, timeout)
             lease = self._lease(request_id, token)
             lease.pulling += 1
             lease.expires_at = max(lease.expires_at, self._clock() + self.lease_s)
         try:
-            runs = self._plan.runs(_skipped(lease.block_ids, skip), dst_blocks)
-            messages = self._messages(runs, message_regions, request_id, peer, tag)
+            runs = plan.runs(_skipped(lease.block_ids, skip), dst_blocks)
+            messages = self._messages(plan, runs, message_regions, request_id, peer, tag)
             self.transport.send(peer, tag, messages, timeout)
         except ValueError as e:
             raise TransferFailed(f"request {request_id}: {e}") from e
@@ -403,21 +413,37 @@ class PrefillConnector:
                 free_now = lease.free_after_pull and lease.pulling == 0
             if free_now:
                 self._free(lease)
-        nbytes = self._plan.nbytes(runs)
+        nbytes = plan.nbytes(runs)
         with self._lock:
             self.stats["pulled"] += 1
             self.stats["bytes_sent"] += nbytes
             self.stats["messages_sent"] += len(messages)
         return PullResult(nbytes, len(messages))
 
-    def _messages(self, runs, message_regions, request_id: str, peer: bytes, tag: int) -> list:
+    def _plan_for(self, dst_layout: KVLayout | None):
+        """The plan for a pull into a decode worker of `dst_layout` (None: one rank there,
+        and here unless this worker is tensor-parallel)."""
+        if dst_layout is None and self.layout.tp_size == 1:
+            return self._plan
+        if dst_layout is None:
+            raise TransferFailed("a pull from a tensor-parallel worker must give its layout")
+        diff = self.layout.difference(dst_layout)
+        if diff:
+            raise TransferFailed(diff)
+        if self._shard_buffers is None:
+            raise TransferFailed("this worker cannot send to a tensor-parallel peer")
+        return ShardedPlan(self.layout, dst_layout, self._shard_buffers)
+
+    def _messages(
+        self, plan, runs, message_regions, request_id: str, peer: bytes, tag: int
+    ) -> list:
         """What the transport sends: the runs' regions, packed as the puller said (rows of
-        one pool when the plan has them; fault injection works on region tensors)."""
-        if message_regions and not _FAULT and isinstance(self._plan, PagedPlan):
-            found = self._plan.iov(runs, "src")
+        the pools when the plan has them; fault injection works on region tensors)."""
+        if message_regions and not _FAULT and isinstance(plan, (PagedPlan, ShardedPlan)):
+            found = plan.iov(runs, "src")
             if found is not None:
                 return split_iov(*found, message_regions)
-        regions = self._plan.src_regions(runs)
+        regions = plan.src_regions(runs)
         if _FAULT == "zero_sends" and _FAULT_MARK in request_id:
             regions = [r.new_zeros(r.shape) for r in regions]
         if _FAULT == "exit_during_pull":

@@ -324,11 +324,12 @@ def _check_region(r: Any) -> int:
 @dataclass(frozen=True, eq=False)  # by identity: == on its array would be elementwise
 class IovList:
     """One scatter-gather message given as raw entries: `iov` [n, 2] uint64 rows of (address,
-    bytes) inside `owner`'s CPU memory, which the caller vouches for (the transport keeps
+    bytes) inside `owner`'s CPU memory (a tensor, or a tuple of them: the pools of a
+    tensor-parallel group's ranks), which the caller vouches for (the transport keeps
     `owner` alive while UCX may touch it). Built without a tensor per entry."""
 
     iov: np.ndarray
-    owner: torch.Tensor
+    owner: torch.Tensor | tuple[torch.Tensor, ...]
 
 
 @dataclass
@@ -354,7 +355,8 @@ def _messages(regions: list[Any]) -> _Messages:
             iov = r.iov
             if iov.dtype != np.uint64 or iov.ndim != 2 or iov.shape[1] != 2 or not len(iov):
                 raise ValueError("an IovList needs [n >= 1, 2] uint64 (address, bytes) rows")
-            if r.owner.device.type != "cpu":
+            owners = r.owner if isinstance(r.owner, tuple) else (r.owner,)
+            if any(o.device.type != "cpu" for o in owners):
                 raise ValueError("IovList entries must lie in CPU memory")
             iov = np.ascontiguousarray(iov)
         elif isinstance(r, (list, tuple)):

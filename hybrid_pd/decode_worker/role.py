@@ -10,7 +10,7 @@ requests still waiting for blocks ──► heartbeats keep their prefill leases
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.connector.decode import DecodeConnector
@@ -35,6 +35,7 @@ class DecodeRole:
         failure_policy: str,
         peers: tuple[str, ...] = (),
         scatter_gather: bool = True,
+        shard_buffers: Callable[[], Sequence] | None = None,
     ) -> None:
         if failure_policy not in POLICIES:
             raise ValueError(f"failure policy must be one of {POLICIES}")
@@ -50,6 +51,7 @@ class DecodeRole:
             timeout_s=timeout_s,
             peers=peers,
             scatter_gather=scatter_gather,
+            shard_buffers=shard_buffers,
         )
 
     def attach(self, loop: EngineLoop) -> None:

@@ -26,6 +26,7 @@ from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.kvcache.manager import KVCacheManager
 from hybrid_pd.kvcache.pool import KVPool, num_blocks_for_memory
+from hybrid_pd.kvcache.tp_layout import TP_CONFIG_KEY, rank_kv_config
 
 logger = logging.getLogger(__name__)
 
@@ -426,9 +427,29 @@ def plan_kv_cache(model, hf_config: dict, config: EngineConfig) -> tuple[KVCache
     """The KV cache groups an engine of `model` will use, and its maximum length (a
     worker needs them for its connector before the engine exists)."""
     param = next(model.parameters())
-    spec = cache_spec_from_config(hf_config, dtype=config.kv_dtype or _dtype_name(param))
+    dtype = config.kv_dtype or _dtype_name(param)
+    spec = cache_spec_from_config(hf_config, dtype=dtype)
     max_len = config.max_model_len or min(spec.max_model_len or 4096, 32768)
-    return plan_groups(spec, block_size=config.block_size, ref_len=max_len), max_len
+    tp = hf_config.get(TP_CONFIG_KEY)
+    if tp is None:
+        return plan_groups(spec, block_size=config.block_size, ref_len=max_len), max_len
+    # a rank's shard: the whole model's grouping, the rank's slots (kvcache.tp_layout)
+    whole = cache_spec_from_config(tp["config"], dtype=dtype)
+    full = plan_groups(whole, block_size=config.block_size, ref_len=max_len)
+    return rank_kv_config(full, spec), max_len
+
+
+def plan_whole_kv_cache(model, hf_config: dict, config: EngineConfig) -> KVCacheConfig | None:
+    """The whole model's grouping when `hf_config` is a tensor-parallel rank's (the one
+    `plan_kv_cache` shrank to the rank's slots); None for a single-rank model."""
+    tp = hf_config.get(TP_CONFIG_KEY)
+    if tp is None:
+        return None
+    whole = cache_spec_from_config(
+        tp["config"], dtype=config.kv_dtype or _dtype_name(next(model.parameters()))
+    )
+    _, max_len = plan_kv_cache(model, hf_config, config)
+    return plan_groups(whole, block_size=config.block_size, ref_len=max_len)
 
 
 def _dtype_name(param: torch.Tensor) -> str:

@@ -16,6 +16,7 @@ from hybrid_pd.engine.tp.build import shard_model
 from hybrid_pd.engine.tp.group import SINGLE, TPGroup
 from hybrid_pd.engine.tp.plans import plan_for
 from hybrid_pd.kvcache.hf_configs import load_config
+from hybrid_pd.kvcache.tp_layout import TP_CONFIG_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,12 @@ def load_model(
         with device:
             model = cls(plan.rank_config)
         shard_model(full, model, plan, tp)
+        whole = sum(p.numel() for p in full.parameters())
+        config = {
+            **plan.rank_config,
+            TP_CONFIG_KEY: {"size": tp.size, "config": config, "parameters": whole},
+        }
         del full
-        config = plan.rank_config
     else:
         with device:
             model = cls(config)

@@ -120,12 +120,20 @@ class KVPool:
         num_blocks: int,
         device: torch.device | str | None = None,
         held_rows_bytes: int | None = None,
+        buffer: torch.Tensor | None = None,
     ) -> None:
+        """`buffer`: the pool's memory when someone else provides it (a tensor-parallel
+        rank's pool in shared memory, `engine.tp.shared_pool`): uint8 [num_blocks,
+        page_size_bytes], zeroed. Default: a new zeroed tensor on `device`."""
         self.config = config
         self.num_blocks = num_blocks
-        self.buffer = torch.zeros(
-            (num_blocks, config.page_size_bytes), dtype=torch.uint8, device=device
-        )
+        if buffer is None:
+            buffer = torch.zeros(
+                (num_blocks, config.page_size_bytes), dtype=torch.uint8, device=device
+            )
+        elif tuple(buffer.shape) != (num_blocks, config.page_size_bytes):
+            raise ValueError(f"pool buffer {tuple(buffer.shape)} does not fit the config")
+        self.buffer = buffer
         if held_rows_bytes is None:
             held_rows_bytes = min(HELD_ROWS_MAX_BYTES, self.buffer.numel() // 4)
         self.held_rows_bytes = held_rows_bytes

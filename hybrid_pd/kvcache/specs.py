@@ -150,6 +150,11 @@ class StateSpec(LayerSpec):
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     mamba_type: str = "mamba2"
+    #: Per state tensor, how its rows (dim 0) split over tensor-parallel ranks: segments
+    #: of (units, rows per unit, replicated when fewer units than ranks), as
+    #: `engine.tp.shard.Seg` splits the weights that write them. Empty: not described
+    #: (such a state moves only between TP groups of equal size).
+    row_splits: tuple[tuple[tuple[int, int, bool], ...], ...] = ()
     kind = "state"
 
     def __post_init__(self) -> None:
@@ -159,6 +164,12 @@ class StateSpec(LayerSpec):
         object.__setattr__(self, "dtypes", tuple(normalize_dtype(d) for d in self.dtypes))
         if self.mamba_type not in ("mamba1", "mamba2", "gdn"):
             raise ValueError(f"unknown mamba_type {self.mamba_type!r}")
+        if self.row_splits:
+            if len(self.row_splits) != len(self.shapes):
+                raise ValueError("StateSpec needs one row split per state tensor")
+            for shape, segs in zip(self.shapes, self.row_splits, strict=True):
+                if sum(units * width for units, width, _ in segs) != shape[0]:
+                    raise ValueError(f"row split {segs} does not cover {shape[0]} rows")
 
     @property
     def state_bytes(self) -> int:
@@ -191,6 +202,14 @@ def mamba2_state_spec(
         shapes=((conv_dim, conv_kernel - 1), (num_heads, head_dim, state_size)),
         dtypes=(conv_dtype, ssm_dtype),
         mamba_type="mamba2",
+        row_splits=(
+            (
+                (num_heads, head_dim, False),
+                (n_groups, state_size, True),
+                (n_groups, state_size, True),
+            ),
+            ((num_heads, 1, False),),
+        ),
     )
 
 
@@ -207,6 +226,7 @@ def mamba1_state_spec(
         shapes=((intermediate_size, conv_kernel - 1), (intermediate_size, state_size)),
         dtypes=(conv_dtype, ssm_dtype),
         mamba_type="mamba1",
+        row_splits=(((intermediate_size, 1, False),), ((intermediate_size, 1, False),)),
     )
 
 
@@ -226,6 +246,14 @@ def gdn_state_spec(
         shapes=((conv_dim, conv_kernel - 1), (num_v_heads, head_k_dim, head_v_dim)),
         dtypes=(conv_dtype, ssm_dtype),
         mamba_type="gdn",
+        row_splits=(
+            (
+                (num_k_heads, head_k_dim, False),
+                (num_k_heads, head_k_dim, False),
+                (num_v_heads, head_v_dim, False),
+            ),
+            ((num_v_heads, 1, False),),
+        ),
     )
 
 

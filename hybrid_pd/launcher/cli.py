@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -19,6 +18,7 @@ from hybrid_pd.launcher.console import (
     configure_logging,
     forward_ray_logs_plainly,
 )
+from hybrid_pd.launcher.generate import add_generate
 from hybrid_pd.launcher.lazy_parser import LazyParser
 
 logger = logging.getLogger("hybrid_pd.launcher.cli")
@@ -147,210 +147,6 @@ def _format_plan(r: dict[str, Any]) -> str:
     if "error" in r["no_hma"]:
         lines.append(f"HMA off: {r['no_hma']['error']}")
     return "\n".join(lines)
-
-
-def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text with one engine (no server)")
-    p.add_argument("--model", default="tiny", help="checkpoint folder, or `tiny` (built in)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    p.add_argument("--kv-memory", default="256MiB", help="KV cache memory (bytes or 1GiB)")
-    p.add_argument(
-        "--held-state-rows",
-        type=held_state_rows_arg,
-        default=None,
-        help=HELD_STATE_ROWS_HELP,
-    )
-    p.add_argument("--device", default=None, help="torch device (default: torch's default)")
-    p.add_argument(
-        "--threads", type=int, default=None, help="torch threads per engine (default: its CPUs)"
-    )
-    p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=positive_int,
-        default=1,
-        help="ranks of the engine, one process each, splitting heads and widths",
-    )
-    p.add_argument(
-        "--disaggregated",
-        action="store_true",
-        help="prefill in one worker process, decode in another (KV over UCX)",
-    )
-    p.add_argument(
-        "--failure-policy",
-        choices=("recompute", "fail"),
-        default="recompute",
-        help="decode's reaction to a failed KV pull (with --disaggregated)",
-    )
-    p.set_defaults(func=_cmd_generate)
-
-
-def _cmd_generate(args: argparse.Namespace) -> int:
-    preflight.check_model(args.model)
-    preflight.check_device(args.device)
-    if args.disaggregated:
-        return _cmd_generate_pd(args)
-    from hybrid_pd.engine.engine import Engine, EngineConfig
-    from hybrid_pd.engine.heap import frozen_heap
-    from hybrid_pd.engine.loader import load_model
-    from hybrid_pd.engine.malloc import tune_malloc
-    from hybrid_pd.engine.threads import set_torch_threads
-    from hybrid_pd.engine.tiny import resolve_model
-    from hybrid_pd.kvcache.planner import parse_bytes
-
-    size = args.tensor_parallel_size
-    set_torch_threads(args.threads, workers_on_this_host=size)
-    tune_malloc()
-    engine_config = EngineConfig(
-        kv_memory_bytes=parse_bytes(args.kv_memory), held_state_rows_bytes=args.held_state_rows
-    )
-    with tp_ranks(args, size, engine_config) as group:
-        model, config, tokenizer = load_model(
-            resolve_model(args.model), device=args.device, tp=group
-        )
-        engine = Engine(model, config, engine_config, tokenizer, tp=group)
-        try:
-            with frozen_heap():
-                out = engine.generate([_prompt_ids(args, tokenizer)], _sampling(args))[0]
-        finally:
-            engine.release_followers()
-    result = {
-        "token_ids": out.token_ids,
-        "text": out.text if out.text is not None else "",
-        "finish_reason": out.finish_reason,
-        "prompt_tokens": len(out.prompt_ids),
-    }
-    print(json.dumps(result) if args.json else result["text"])
-    return 0
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1 (a usage error otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-@contextlib.contextmanager
-def tp_ranks(args: argparse.Namespace, size: int, engine_config):
-    """This process as rank 0 of `size` (the others started here, stopped at the end);
-    yields the group (the single-rank group when size is 1)."""
-    from hybrid_pd.engine.tp.group import SINGLE, join_group, leave_group, open_rendezvous
-    from hybrid_pd.launcher.tp_rank import start_followers, stop_followers
-
-    if size == 1:
-        yield SINGLE
-        return
-    store, address = open_rendezvous(size)
-    procs = start_followers(args.model, size, address, engine_config, args.device, args.threads)
-    group = None
-    try:
-        group = join_group(0, size, store, args.device)
-        yield group
-    finally:
-        if group is not None:
-            leave_group(group)
-        stop_followers(procs)
-
-
-def _sampling(args: argparse.Namespace):
-    from hybrid_pd.engine.sampling import SamplingParams
-
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
-
-
-def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
-    if args.prompt_ids is not None:
-        try:
-            return [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        except ValueError:
-            raise ValueError("--prompt-ids takes integers separated by commas") from None
-    if tokenizer is None:
-        raise ValueError("this checkpoint has no tokenizer.json: use --prompt-ids")
-    return tokenizer.encode(args.prompt)
-
-
-def _cmd_generate_pd(args: argparse.Namespace) -> int:
-    """One prefill and one decode worker process on 127.0.0.1; this process is the proxy."""
-    import secrets
-
-    from hybrid_pd.api.tokenizer import Tokenizer
-    from hybrid_pd.api.wire import sampling_to_pb
-    from hybrid_pd.engine.tiny import resolve_model
-    from hybrid_pd.launcher.local import start_worker
-    from hybrid_pd.proxy.worker_client import WorkerClient
-
-    path = resolve_model(args.model)
-    tokenizer = Tokenizer(path) if (path / "tokenizer.json").exists() else None
-    prompt = _prompt_ids(args, tokenizer)
-    params = _sampling(args)
-    common = [
-        "--model",
-        str(path),
-        "--kv-memory",
-        args.kv_memory,
-        "--failure-policy",
-        args.failure_policy,
-        "--workers-on-host",
-        "2",  # the two share this machine's CPUs
-    ]
-    if args.threads:
-        common += ["--threads", str(args.threads)]
-    if args.device:
-        common += ["--device", args.device]
-    if args.held_state_rows is not None:
-        common += ["--held-state-rows", str(args.held_state_rows)]
-    secret = secrets.token_urlsafe(32)  # closed by default; it reaches them by environment
-    workers = []
-    try:
-        workers.append(start_worker("prefill", *common, secret=secret))
-        peer = ("--peer", workers[0].address)  # the only prefill worker it may pull from
-        workers.append(start_worker("decode", *common, *peer, secret=secret))
-        prefill, decode = (WorkerClient(w.address, secret=secret) for w in workers)
-        sampling = sampling_to_pb(params)
-        first = prefill.prefill("cli-0", prompt, sampling)
-        if first.finished:
-            tokens, reason, transfer = [first.first_token], first.finish_reason, {}
-        else:
-            out = decode.generate("cli-0", prompt, sampling, first.kv_transfer_params)
-            if out.error:
-                raise RuntimeError(f"decode failed: {out.error}")
-            tokens, reason, transfer = out.token_ids, out.finish_reason, out.transfer
-            transfer["blocks"] = first.kv_transfer_params.num_blocks
-        stats = [c.stats() for c in (prefill, decode)]
-    finally:
-        for w in workers:
-            w.stop()
-    text = tokenizer.decode(tokens) if tokenizer else ""
-    result = {
-        "token_ids": tokens,
-        "text": text,
-        "finish_reason": reason,
-        "prompt_tokens": len(prompt),
-        "transfer": transfer,
-        "leaked_blocks": {s["role"]: s["num_blocks"] - 1 - s["free_blocks"] for s in stats},
-    }
-    print(json.dumps(result) if args.json else text)
-    return 0
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -573,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
     _add_plan(sub)
-    _add_generate(sub)
+    add_generate(sub)
     _add_serve(sub)
     from hybrid_pd.proxy.__main__ import add_arguments, run
 

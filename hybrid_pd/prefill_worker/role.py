@@ -8,7 +8,7 @@ lease released or expired ──► the engine loop frees the blocks (posted, ne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
@@ -26,6 +26,7 @@ class PrefillRole:
         transport,
         region: Callable[[int, int], object],
         lease_s: float,
+        shard_buffers: Callable[[], Sequence] | None = None,
     ) -> None:
         self._loop: EngineLoop | None = None
         self.connector = PrefillConnector(
@@ -36,6 +37,7 @@ class PrefillRole:
             region=region,
             transport=transport,
             lease_s=lease_s,
+            shard_buffers=shard_buffers,
         )
 
     def attach(self, loop: EngineLoop) -> None:

@@ -104,6 +104,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="engine processes sharing this host's CPUs (sets the default --threads)",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="ranks of this worker's engine, one process each on this host (this is rank 0)",
+    )
     p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes")
     return p.parse_args(argv)
 
@@ -144,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_scatter_gather=args.kv_scatter_gather,
         peers=tuple(args.peer),
         max_queued=args.max_queued,
+        tensor_parallel_size=args.tensor_parallel_size,
+        rank_threads=args.threads,
     )
     worker = Worker(config)
     freeze_startup_heap()

@@ -26,14 +26,17 @@ from hybrid_pd.connector.prefill import DEFAULT_LEASE_S
 from hybrid_pd.connector.segments import PoolRegions
 from hybrid_pd.decode_worker import DecodeRole
 from hybrid_pd.engine import cpu_kernels
-from hybrid_pd.engine.engine import Engine, EngineConfig, plan_kv_cache
+from hybrid_pd.engine.engine import Engine, EngineConfig, plan_kv_cache, plan_whole_kv_cache
 from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.loop import EngineLoop
 from hybrid_pd.engine.tiny import resolve_model
+from hybrid_pd.engine.tp.group import SINGLE
+from hybrid_pd.kvcache.tp_layout import TP_CONFIG_KEY
 from hybrid_pd.prefill_worker import PrefillRole
 from hybrid_pd.proto import kv_control_pb2_grpc, worker_pb2_grpc
 from hybrid_pd.workers import DEFAULT_MAX_QUEUED
 from hybrid_pd.workers.service import WorkerServicer
+from hybrid_pd.workers.tp_ranks import RankGroup
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,10 @@ class WorkerConfig:
     #: Decode role: prefill workers (control addresses) it may pull from at start; the
     #: proxy adds the rest (AddPeers).
     peers: tuple[str, ...] = ()
+    #: Ranks of the worker's engine (one process each on this host; this one is rank 0).
+    tensor_parallel_size: int = 1
+    #: torch threads of each rank > 0 (rank 0: the caller's setting).
+    rank_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -71,6 +78,8 @@ class WorkerConfig:
             raise ValueError("lease must be positive")
         if self.max_queued < 1:
             raise ValueError("max_queued must be at least 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
 
 
 class Worker:
@@ -80,11 +89,32 @@ class Worker:
         self.config = config
         self.engine_id = f"{config.role}-{uuid.uuid4().hex[:10]}"
         path = resolve_model(config.model)
-        model, hf_config, tokenizer = load_model(path, config.device)
+        self.ranks: RankGroup | None = None
+        tp = SINGLE
+        if config.tensor_parallel_size > 1:
+            self.ranks = RankGroup(
+                str(path),
+                config.tensor_parallel_size,
+                config.engine,
+                config.device,
+                config.rank_threads,
+                share_pools=True,
+            )
+            tp = self.ranks.group
+        try:
+            model, hf_config, tokenizer = load_model(path, config.device, tp=tp)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
         self.model_name = config.model
         kv_config, _ = plan_kv_cache(model, hf_config, config.engine)
         identity = _model_identity(hf_config, model)
-        self.layout = KVLayout.of(kv_config, identity)
+        self.layout = KVLayout.of(
+            kv_config, identity, plan_whole_kv_cache(model, hf_config, config.engine), tp.size
+        )
+        #: Every rank's pool in rank order (rank 0's alone without tensor parallelism).
+        self.pools: list = []
         ucx = ucx_options_for(config.host)
         if config.ucx_tls:
             ucx["TLS"] = config.ucx_tls
@@ -106,6 +136,7 @@ class Worker:
                 transport=self.transport,
                 region=region,
                 lease_s=config.lease_s,
+                shard_buffers=lambda: self.pools,
             )
         if config.role in ("decode", "both"):
             self.decode = DecodeRole(
@@ -118,12 +149,15 @@ class Worker:
                 failure_policy=config.failure_policy,
                 peers=tuple(config.peers),
                 scatter_gather=config.kv_scatter_gather,
+                shard_buffers=lambda: self.pools,
             )
         connector = KVConnector(
             scheduler=self.prefill.connector if self.prefill else None,
             worker=self.decode.connector if self.decode else None,
         )
-        self.engine = Engine(model, hf_config, config.engine, tokenizer, connector)
+        self.engine = Engine(model, hf_config, config.engine, tokenizer, connector, tp=tp)
+        own = self.engine.pool.buffer
+        self.pools = [own] if self.ranks is None else self.ranks.pools(own)
         self.card = ModelCard(
             model=config.model,
             path=str(path.resolve()),
@@ -174,6 +208,8 @@ class Worker:
     def close(self) -> None:
         self.server.stop(grace=1.0)
         self.loop.stop()
+        if self.ranks is not None:
+            self.ranks.close(self.engine)
         for role in (self.prefill, self.decode):
             if role is not None:
                 role.close()
@@ -216,7 +252,9 @@ def _model_identity(hf_config: dict, model) -> str:
     """Architecture, size and a checksum of the first weights: peers must serve one model."""
     arch = (hf_config.get("architectures") or ["?"])[0]
     params = list(model.parameters())
+    # the first parameter (the embedding) is whole on every tensor-parallel rank
     head = params[0].detach().flatten()[:4096].float().cpu().numpy().tobytes()
     digest = hashlib.sha256(head).hexdigest()[:16]
-    n = sum(p.numel() for p in params)
+    tp = hf_config.get(TP_CONFIG_KEY)
+    n = tp["parameters"] if tp else sum(p.numel() for p in params)
     return json.dumps({"architecture": arch, "parameters": n, "weights": digest}, sort_keys=True)

@@ -1,5 +1,5 @@
 """Rank 0 of a tensor-parallel engine, run as its own process by tests/engine/test_tp.py:
-starts the other ranks (hybrid_pd.launcher.tp_rank, the product's follower entry), runs
+starts the other ranks (hybrid_pd.workers.tp_ranks, the product's follower entry), runs
 the test's prompt rounds and prints their greedy tokens as JSON on stdout's last line."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.engine.threads import set_torch_threads
 from hybrid_pd.engine.tp.group import join_group, leave_group, open_rendezvous
-from hybrid_pd.launcher.tp_rank import start_followers, stop_followers
+from hybrid_pd.workers.tp_ranks import start_followers, stop_followers
 
 
 def engine_config() -> EngineConfig:

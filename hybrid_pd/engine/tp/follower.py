@@ -11,6 +11,7 @@ import torch
 from hybrid_pd.engine.batch import make_batch
 from hybrid_pd.engine.engine import EngineConfig, plan_kv_cache
 from hybrid_pd.engine.tp.group import TPGroup
+from hybrid_pd.engine.tp.shared_pool import create_rank_pool
 from hybrid_pd.engine.tp.steps import PoolShape, StepPlan
 from hybrid_pd.kvcache.pool import KVPool, num_blocks_for_memory
 
@@ -18,10 +19,18 @@ logger = logging.getLogger(__name__)
 
 
 class Follower:
-    def __init__(self, model, hf_config: dict, config: EngineConfig, tp: TPGroup) -> None:
+    def __init__(
+        self,
+        model,
+        hf_config: dict,
+        config: EngineConfig,
+        tp: TPGroup,
+        share_tag: str | None = None,
+    ) -> None:
         """`model` / `hf_config`: this rank's shard and rank config; `config`: the same
-        engine config rank 0 got. Waits for rank 0's pool shape and refuses to run with
-        another (ValueError)."""
+        engine config rank 0 got. `share_tag`: keep the pool in shared memory under that
+        tag, for rank 0 to map (`shared_pool`; a worker that hands KV over). Waits for rank
+        0's pool shape and refuses to run with another (ValueError)."""
         if tp.is_leader:
             raise ValueError("rank 0 runs the Engine, not a Follower")
         self.model = model
@@ -29,7 +38,11 @@ class Follower:
         device = next(model.parameters()).device
         kv_config, _ = plan_kv_cache(model, hf_config, config)
         num_blocks = num_blocks_for_memory(kv_config, config.kv_memory_bytes)
-        self.pool = KVPool(kv_config, num_blocks, device=device, held_rows_bytes=0)
+        buffer = None
+        if share_tag is not None:
+            page = kv_config.page_size_bytes
+            buffer = create_rank_pool(share_tag, tp.rank, num_blocks, page, device)
+        self.pool = KVPool(kv_config, num_blocks, device=device, held_rows_bytes=0, buffer=buffer)
         leader = tp.broadcast()
         mine = PoolShape.of(self.pool)
         if leader != mine:
