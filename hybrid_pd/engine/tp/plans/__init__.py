@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hybrid_pd.engine.tp.plans import dense, granite, qwen3_5
+from hybrid_pd.engine.tp.plans import bamba, dense, falcon_h1, granite, nemotron_h, qwen3_5
 from hybrid_pd.engine.tp.plans.base import TPConfigError, TPPlan
 
 __all__ = ["TPConfigError", "TPPlan", "plan_for"]
@@ -19,6 +19,9 @@ _PLANS: dict[str, Callable[[dict, int], TPPlan]] = {
     "Gemma3ForCausalLM": dense.plan,
     "Gemma3ForConditionalGeneration": dense.plan,
     "GraniteMoeHybridForCausalLM": granite.plan,
+    "BambaForCausalLM": bamba.plan,
+    "FalconH1ForCausalLM": falcon_h1.plan,
+    "NemotronHForCausalLM": nemotron_h.plan,
     "Qwen3_5ForCausalLM": qwen3_5.plan,
     "Qwen3_5ForConditionalGeneration": qwen3_5.plan,
     "Qwen3_5MoeForCausalLM": qwen3_5.plan,
