@@ -43,6 +43,33 @@ CASES = {
     "jamba_expand4": ("jamba", {"name": "jamba_e4", "mamba_expand": 4}, (4,)),
     "gpt_oss": ("gpt_oss", {}, (2, 4)),
     "llama4": ("llama4", {}, (2, 4)),
+    # 2 Mamba2 groups, 2 KV heads: split at 2 ranks; replicated (norm groups spanning ranks)
+    # at 4
+    "bamba": ("bamba", {}, (2, 4)),
+    "falcon_h1": ("falcon_h1", {}, (2, 4)),
+    # one group spanning both ranks, normalised before the gate
+    "falcon_h1_norm_first": (
+        "falcon_h1",
+        {"name": "falcon_h1_nf", "mamba_n_groups": 1, "mamba_norm_before_gate": True},
+        (2,),
+    ),
+    "nemotron_h": ("nemotron_h", {}, (2, 4)),
+    # MoE blocks (routed experts through a latent projection, biased, and a shared expert)
+    "nemotron_h_moe": (
+        "nemotron_h",
+        {
+            "name": "nemotron_h_moe",
+            "hybrid_override_pattern": "ME*M-E",
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 48,
+            "moe_latent_size": 40,
+            "n_group": 2,
+            "topk_group": 1,
+        },
+        (2,),
+    ),
 }
 PROMPTS = [
     [
@@ -190,7 +217,8 @@ def test_jamba_inner_size_must_stay_a_multiple_of_hidden(folders):
 def test_shards_put_together_are_the_whole(case, folders):
     """Each split parameter: the ranks' shards, segment by segment, concatenated in rank
     order (a replicated unit counted once) equal the TP-1 tensor; unsplit ones are equal
-    on every rank; row-parallel biases live on rank 0 only."""
+    on every rank, and so are the checkpoint's buffers; row-parallel biases live on rank 0
+    only."""
     for size in CASES[case][2]:
         full, config, _ = load_model(folders[case])
         plan = plan_for(config, size)
@@ -200,6 +228,11 @@ def test_shards_put_together_are_the_whole(case, folders):
             m = cls(plan.rank_config)
             shard_model(full, m, plan, TPGroup(rank, size))
             ranks.append(dict(m.named_parameters(remove_duplicate=False)))
+            # checkpoint buffers (Nemotron-H's router correction bias) come along whole
+            buffers = dict(m.named_buffers())
+            for name, whole in full.state_dict().items():
+                if name in buffers:
+                    assert torch.equal(buffers[name], whole), name
         for name, whole in full.named_parameters(remove_duplicate=False):
             rule = plan.params.rule_for(name)
             parts = [r[name].detach() for r in ranks]

@@ -32,9 +32,30 @@ def shard_model(full: nn.Module, rank_model: nn.Module, plan: TPPlan, group: TPG
                 f"model expects {tuple(param.shape)}"
             )
         param.copy_(part)
+    copy_buffers(full, rank_model, plan, group)
     install_reductions(rank_model, plan, group)
     if plan.patch is not None:
         plan.patch(rank_model, group)
+
+
+def copy_buffers(full: nn.Module, rank_model: nn.Module, plan: TPPlan, group: TPGroup) -> None:
+    """Copy the checkpoint's buffers (the persistent ones, such as Nemotron-H's router
+    correction bias) like parameters: whole unless a rule names them. Non-persistent
+    buffers are derived from the rank config by the model itself (Falcon-H1's muP vector)."""
+    params = {name for name, _ in rank_model.named_parameters(remove_duplicate=False)}
+    source = full.state_dict(keep_vars=True)
+    for name, buf in rank_model.state_dict(keep_vars=True).items():
+        if name in params:
+            continue
+        rule = plan.params.rule_for(name)
+        whole = source[name]
+        part = whole if rule is None else shard_tensor(whole, rule, group.size, group.rank)
+        if tuple(part.shape) != tuple(buf.shape):
+            raise ValueError(
+                f"tensor parallelism: buffer {name}'s shard has shape {tuple(part.shape)}, "
+                f"the rank model expects {tuple(buf.shape)}"
+            )
+        buf.copy_(part)
 
 
 def install_reductions(model: nn.Module, plan: TPPlan, group: TPGroup) -> int:

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hybrid_pd.engine.tp.plans import dense, gpt_oss, granite, jamba, llama4, qwen3_5
+from hybrid_pd.engine.tp.plans import (
+    bamba,
+    dense,
+    falcon_h1,
+    gpt_oss,
+    granite,
+    jamba,
+    llama4,
+    nemotron_h,
+    qwen3_5,
+)
 from hybrid_pd.engine.tp.plans.base import TPConfigError, TPPlan
 
 __all__ = ["TPConfigError", "TPPlan", "plan_for"]
@@ -19,6 +29,9 @@ _PLANS: dict[str, Callable[[dict, int], TPPlan]] = {
     "Gemma3ForCausalLM": dense.plan,
     "Gemma3ForConditionalGeneration": dense.plan,
     "GraniteMoeHybridForCausalLM": granite.plan,
+    "BambaForCausalLM": bamba.plan,
+    "FalconH1ForCausalLM": falcon_h1.plan,
+    "NemotronHForCausalLM": nemotron_h.plan,
     "Qwen3_5ForCausalLM": qwen3_5.plan,
     "Qwen3_5ForConditionalGeneration": qwen3_5.plan,
     "Qwen3_5MoeForCausalLM": qwen3_5.plan,

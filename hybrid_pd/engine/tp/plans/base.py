@@ -109,16 +109,42 @@ def mamba2_rules(prefix: str, heads: int, head_dim: int, groups: int, state: int
     )
 
 
-def span_mamba2_norms(groups: int, inner: int):
-    """A plan patch for Mamba2 mixers with fewer groups than ranks: each gated norm
-    group then spans several ranks (`norms.SpannedGatedRMSNorm`)."""
+def mamba2_expand_sizes(text: dict, size: int) -> tuple[int, int, int, int, int]:
+    """Granite-4.0-H's and Bamba's Mamba2 fields (inner size ``mamba_expand * hidden``):
+    writes the rank's heads, groups, head dim and expand into `text`; returns the whole
+    model's (heads, head_dim, groups, state, inner)."""
+    hidden = config_int(text, "hidden_size")
+    heads = config_int(text, "mamba_n_heads", 128)
+    groups = config_int(text, "mamba_n_groups", 1)
+    state = config_int(text, "mamba_d_state", 256)
+    expand = float(text.get("mamba_expand") or 2)
+    inner = int(expand * hidden)
+    d_head = text.get("mamba_d_head", "auto")
+    head_dim = inner // heads if d_head in (None, "auto") else int(d_head)
+    text["mamba_n_heads"] = divide("mamba_n_heads", heads, size)
+    text["mamba_n_groups"] = divide("mamba_n_groups", groups, size, replicate=True)
+    text["mamba_d_head"] = head_dim
+    text["mamba_expand"] = expand / size
+    if int(text["mamba_expand"] * hidden) != inner // size:
+        raise TPConfigError(f"the Mamba2 inner size {inner} does not split over {size} ranks")
+    return heads, head_dim, groups, state, inner
+
+
+def span_mamba2_norms(groups: int, inner: int, before_gate: bool = False):
+    """A plan patch for Mamba2 mixers (and their subclasses) with fewer groups than ranks:
+    each gated norm group then spans several ranks (`norms.SpannedGatedRMSNorm`;
+    `before_gate`: the norm applies to y before the gate, Falcon-H1's
+    ``mamba_norm_before_gate``). Mixers without a norm are left alone."""
 
     def patch(model: nn.Module, group) -> None:
+        from hybrid_pd.engine.models.mamba2 import Mamba2Mixer
         from hybrid_pd.engine.tp.norms import SpannedGatedRMSNorm
 
         for module in list(model.modules()):
             norm = getattr(module, "norm", None)
-            if type(module).__name__ == "Mamba2Mixer" and norm is not None:
-                module.norm = SpannedGatedRMSNorm(norm, group, groups, inner // groups)
+            if isinstance(module, Mamba2Mixer) and norm is not None:
+                module.norm = SpannedGatedRMSNorm(
+                    norm, group, groups, inner // groups, before_gate=before_gate
+                )
 
     return patch

@@ -5,12 +5,12 @@ from __future__ import annotations
 import copy
 
 from hybrid_pd.engine.tp.plans.base import (
-    TPConfigError,
     TPPlan,
     attention_rules,
     attention_sizes,
     config_int,
     divide,
+    mamba2_expand_sizes,
     mamba2_rules,
     span_mamba2_norms,
     text_config,
@@ -23,20 +23,7 @@ def plan(cfg: dict, size: int) -> TPPlan:
     rank = copy.deepcopy(cfg)
     text = text_config(rank)
     heads, kv, head_dim = attention_sizes(text, size)
-    hidden = config_int(text, "hidden_size")
-    m_heads = config_int(text, "mamba_n_heads", 128)
-    groups = config_int(text, "mamba_n_groups", 1)
-    state = config_int(text, "mamba_d_state", 256)
-    expand = float(text.get("mamba_expand") or 2)
-    inner = int(expand * hidden)
-    d_head = text.get("mamba_d_head", "auto")
-    m_head_dim = inner // m_heads if d_head in (None, "auto") else int(d_head)
-    text["mamba_n_heads"] = divide("mamba_n_heads", m_heads, size)
-    text["mamba_n_groups"] = divide("mamba_n_groups", groups, size, replicate=True)
-    text["mamba_d_head"] = m_head_dim
-    text["mamba_expand"] = expand / size
-    if int(text["mamba_expand"] * hidden) != inner // size:
-        raise TPConfigError(f"the Mamba2 inner size {inner} does not split over {size} ranks")
+    m_heads, m_head_dim, groups, state, inner = mamba2_expand_sizes(text, size)
     rules = attention_rules(r".*\.self_attn", heads, kv, head_dim)
     rules += mamba2_rules(r".*\.mamba", m_heads, m_head_dim, groups, state)
     reduce = [r".*\.self_attn\.o_proj", r".*\.mamba\.out_proj", r".*\.shared_mlp"]
