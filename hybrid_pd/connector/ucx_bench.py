@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from hybrid_pd.connector.ucx_transport import UcxTransport, raw_bandwidth
+from hybrid_pd.connector.ucx import UcxTransport
+from hybrid_pd.connector.ucx.raw_bandwidth import raw_bandwidth
 
 SHM_TRANSPORTS = {"sysv", "posix", "cma", "xpmem", "knem", "cuda_ipc", "self"}
 _PIPE_TIMEOUT = 120.0

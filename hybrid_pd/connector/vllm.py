@@ -704,7 +704,7 @@ class _WorkerHalf:
         from hybrid_pd.connector.control import AioServer, KVControlServicer
         from hybrid_pd.connector.decode import DecodeConnector
         from hybrid_pd.connector.prefill import PrefillConnector
-        from hybrid_pd.connector.ucx_transport import UcxTransport
+        from hybrid_pd.connector.ucx import UcxTransport
         from hybrid_pd.proto import kv_control_pb2_grpc
         from hybrid_pd.workers.worker import ucx_options_for
 

@@ -75,7 +75,7 @@ class WorkerConfig:
 
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
-        from hybrid_pd.connector.ucx_transport import UcxTransport
+        from hybrid_pd.connector.ucx import UcxTransport
 
         self.config = config
         self.engine_id = f"{config.role}-{uuid.uuid4().hex[:10]}"
