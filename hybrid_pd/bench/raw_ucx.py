@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from hybrid_pd.connector.ucx_transport import TransferError, UcxTransport, _consume, wire_tags
+from hybrid_pd.connector.ucx import TransferError, UcxTransport, wire_tags
+from hybrid_pd.connector.ucx.ops import consume as _consume
 
 
 def _as_buffer(t: torch.Tensor) -> Any:

@@ -31,7 +31,7 @@ from hybrid_pd.connector.decode import DecodeConnector
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import PrefillConnector
 from hybrid_pd.connector.segments import PoolRegions
-from hybrid_pd.connector.ucx_transport import UcxTransport
+from hybrid_pd.connector.ucx import UcxTransport
 from hybrid_pd.kvcache.churn import churn as run_churn
 from hybrid_pd.kvcache.config import KVCacheConfig
 from hybrid_pd.kvcache.grouping import HMAOffError, plan_groups

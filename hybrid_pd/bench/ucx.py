@@ -28,7 +28,7 @@ import time
 import torch
 
 from hybrid_pd.bench.raw_ucx import raw_bandwidth
-from hybrid_pd.connector.ucx_transport import UcxTransport
+from hybrid_pd.connector.ucx import UcxTransport
 
 SHM_TRANSPORTS = {"sysv", "posix", "cma", "xpmem", "knem", "cuda_ipc", "self"}
 _PIPE_TIMEOUT = 120.0

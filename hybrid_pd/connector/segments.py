@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from hybrid_pd.connector.ucx_transport import IovList
+from hybrid_pd.connector.ucx import IovList
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.segments import plan_segments
-from hybrid_pd.connector.ucx_transport import IovList
+from hybrid_pd.connector.ucx import IovList
 from hybrid_pd.kvcache.tp_layout import tensor_pieces
 
 #: Columns of a plan's rows.

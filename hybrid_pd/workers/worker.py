@@ -13,17 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from hybrid_pd.api.card import ModelCard
 from hybrid_pd.connector.base import KVConnector
-from hybrid_pd.connector.control import AioServer, KVControlServicer
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import DEFAULT_LEASE_S
 from hybrid_pd.connector.segments import PoolRegions
+from hybrid_pd.connector.setup import add_kv_control, open_server, start_transport
 from hybrid_pd.decode_worker import DecodeRole
 from hybrid_pd.engine import cpu_kernels
 from hybrid_pd.engine.engine import Engine, EngineConfig, plan_kv_cache, plan_whole_kv_cache
@@ -33,7 +32,7 @@ from hybrid_pd.engine.tiny import resolve_model
 from hybrid_pd.engine.tp.group import SINGLE
 from hybrid_pd.kvcache.tp_layout import TP_CONFIG_KEY
 from hybrid_pd.prefill_worker import PrefillRole
-from hybrid_pd.proto import kv_control_pb2_grpc, worker_pb2_grpc
+from hybrid_pd.proto import worker_pb2_grpc
 from hybrid_pd.workers import DEFAULT_MAX_QUEUED
 from hybrid_pd.workers.service import WorkerServicer
 from hybrid_pd.workers.tp_ranks import RankGroup
@@ -84,8 +83,6 @@ class WorkerConfig:
 
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
-        from hybrid_pd.connector.ucx_transport import UcxTransport
-
         self.config = config
         self.engine_id = f"{config.role}-{uuid.uuid4().hex[:10]}"
         path = resolve_model(config.model)
@@ -115,14 +112,9 @@ class Worker:
         )
         #: Every rank's pool in rank order (rank 0's alone without tensor parallelism).
         self.pools: list = []
-        ucx = ucx_options_for(config.host)
-        if config.ucx_tls:
-            ucx["TLS"] = config.ucx_tls
-        self.transport = UcxTransport(ucx_options=ucx)
-        self.transport.start()
-        self.server = AioServer(f"{config.host}:{config.port}", config.secret)
+        self.transport = start_transport(config.host, config.ucx_tls)
+        self.server, self.address = open_server(config.host, config.port, config.secret)
         self.port = self.server.port
-        self.address = f"{config.host}:{self.port}"
 
         region = PoolRegions(lambda: self.engine.pool.buffer)  # the pool, once it exists
 
@@ -171,16 +163,16 @@ class Worker:
         for role in (self.prefill, self.decode):
             if role is not None:
                 role.attach(self.loop)
-        control = KVControlServicer(
+        add_kv_control(
+            self.server,
             self.engine_id,
             self.layout,
-            self.transport.address,
+            self.transport,
             self.prefill.connector if self.prefill else None,
         )
         #: Requests admitted and waiting for their first token (the server's loop only).
         self.queued = 0
         service = WorkerServicer(self)
-        self.server.add(lambda s: kv_control_pb2_grpc.add_KVControlServicer_to_server(control, s))
         self.server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(service, s))
         self.started_at = time.time()
         self.server.start()
@@ -214,38 +206,6 @@ class Worker:
             if role is not None:
                 role.close()
         self.transport.close()
-
-
-def ucx_options_for(host: str) -> dict[str, str]:
-    """UCX devices matching the gRPC address: loopback for a loopback worker, else the
-    interface that owns `host` (UCX would otherwise also advertise loopback, which a peer on
-    another host cannot reach). UCX_NET_DEVICES in the environment wins. Shared memory
-    still carries same-host transfers."""
-    if os.environ.get("UCX_NET_DEVICES"):
-        return {}
-    if host in ("127.0.0.1", "localhost", "::1"):
-        return {"NET_DEVICES": "lo"}
-    iface = interface_of(host)
-    return {"NET_DEVICES": iface} if iface else {}
-
-
-def interface_of(ip: str) -> str | None:
-    """Name of the local network interface holding IPv4 address `ip` (Linux), or None."""
-    import fcntl
-    import socket
-    import struct
-
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                req = struct.pack("256s", name.encode()[:15])
-                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), siocgifaddr, req)[20:24])
-            except OSError:
-                continue
-            if addr == ip:
-                return name
-    return None
 
 
 def _model_identity(hf_config: dict, model) -> str:

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from hybrid_pd.connector import ucx_transport
+from hybrid_pd.connector import ucx
 
 if importlib.util.find_spec("ucxx") is None:  # not imported here: UCX reads env on load
     pytest.skip("ucxx not installed", allow_module_level=True)
 
-UcxTransport = ucx_transport.UcxTransport
-TransferError = ucx_transport.TransferError
+UcxTransport = ucx.UcxTransport
+TransferError = ucx.TransferError
 
 N_BLOCKS, PAGE = 32, 8192  # pages above UCX's 8 KiB rendezvous threshold: zero-copy path
 OPTIONS = {"NET_DEVICES": "lo"}  # never a network interface other than loopback
@@ -202,13 +202,13 @@ def test_iov_rows_send_like_region_lists(peer, local):
     rows = np.array([[pool[s].data_ptr(), n * PAGE] for s, n in src], dtype=np.uint64)
     tag = next_tag()
     peer.ask("post", local.address, tag, [[(0, 2), (10, 4)]])
-    local.send(peer.address, tag, [ucx_transport.IovList(rows, pool)], timeout=10)
+    local.send(peer.address, tag, [ucx.IovList(rows, pool)], timeout=10)
     peer.ask("wait", tag, 10)
     expected = before.clone()
     expected[[0, 1, 10, 11, 12, 13]] = torch.cat([pool[s : s + n] for s, n in src])
     assert torch.equal(peer.ask("pool"), expected)
     with pytest.raises(ValueError, match="uint64"):
-        local.send(peer.address, tag, [ucx_transport.IovList(rows.astype(np.int64), pool)], 1)
+        local.send(peer.address, tag, [ucx.IovList(rows.astype(np.int64), pool)], 1)
 
 
 def test_scatter_gather_larger_than_destination_fails(peer, local):
@@ -382,10 +382,10 @@ def test_lifecycle_is_idempotent():
 
 def test_wire_tags_keep_senders_apart():
     a, b = b"worker-a", b"worker-b"
-    ta = ucx_transport.wire_tags(a, 100, 4)
+    ta = ucx.wire_tags(a, 100, 4)
     assert len(set(ta)) == 4  # exact and one-to-one within a sender
-    assert not set(ta) & set(ucx_transport.wire_tags(b, 100, 4))
-    assert ucx_transport.wire_tags(a, 100, 4) == ta  # both sides compute the same
+    assert not set(ta) & set(ucx.wire_tags(b, 100, 4))
+    assert ucx.wire_tags(a, 100, 4) == ta  # both sides compute the same
 
 
 def test_bad_regions_and_tags_rejected(local):

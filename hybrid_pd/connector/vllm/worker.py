@@ -1,0 +1,157 @@
+"""The worker half of the vLLM connector (vLLM's model-runner process): it moves bytes.
+
+Made at `register_kv_caches`: the UCX transport and, on a producer, the KVControl server with
+the prefill half (keeps leased blocks, serves pulls); on a consumer, the decode half (pulls
+into the blocks the scheduler allocated). Each step it applies the scheduler's metadata and
+reports finished sends and loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.vllm.metadata import HybridPDMetadata
+from hybrid_pd.connector.vllm.metrics import COUNTERS
+from hybrid_pd.connector.vllm.options import ConnectorOptions
+from hybrid_pd.connector.vllm.pinning import unpinned
+from hybrid_pd.connector.vllm.plan import VllmPlan
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerHalf:
+    """Transport, control server and the two connector halves of one vLLM worker."""
+
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        layout: KVLayout,
+        options: ConnectorOptions,
+        secret: str | None,
+        is_producer: bool,
+        is_consumer: bool,
+        plan: VllmPlan,
+        cpus: set[int] | None,
+    ) -> None:
+        from hybrid_pd.connector.decode import DecodeConnector
+        from hybrid_pd.connector.prefill import PrefillConnector
+        from hybrid_pd.connector.setup import add_kv_control, open_server, start_transport
+
+        self._cpus = cpus
+        self._lock = threading.Lock()
+        self._sent: set[str] = set()
+        self._reported = dict.fromkeys(COUNTERS, 0)
+        self._load_failures = 0
+        host = options.control_host
+        self.transport = start_transport(host)
+        self.prefill = self.decode = self.server = None
+        self.control_address: str | None = None
+        if is_producer:
+            self.server, self.control_address = open_server(host, options.control_port, secret)
+            self.prefill = PrefillConnector(
+                engine_id=engine_id,
+                layout=layout,
+                control_address=self.control_address,
+                free_blocks=self._freed,
+                transport=self.transport,
+                plan=plan,
+                lease_s=options.lease_s,
+                # The engine core hands params out before this process keeps the blocks (at
+                # its next step): a pull that comes first waits this long for the keep.
+                keep_wait_s=options.keep_wait_s,
+            )
+            add_kv_control(self.server, engine_id, layout, self.transport, self.prefill)
+            self.server.start()
+            logger.info("hybrid-pd connector: KV control on %s", self.control_address)
+        if is_consumer:
+            self.decode = DecodeConnector(
+                engine_id=engine_id,
+                layout=layout,
+                transport=self.transport,
+                plan=plan,
+                secret=secret,
+                timeout_s=options.timeout_s,
+                peers=options.peers,
+                # pack a pull's runs of blocks into a few scatter-gather UCX messages
+                scatter_gather=options.scatter_gather,
+            )
+
+    def _freed(self, request_id: str) -> None:  # lease released, aborted or expired
+        with self._lock:
+            self._sent.add(request_id)
+
+    def apply(self, meta: HybridPDMetadata) -> None:
+        if not (meta.sends or meta.loads or meta.drops):
+            return
+        with unpinned(self._cpus):  # pull and control threads start here, on first use
+            self._apply(meta)
+
+    def _apply(self, meta: HybridPDMetadata) -> None:
+        for s in meta.sends:
+            if self.prefill is None:
+                raise RuntimeError("a kv_consumer was asked to keep KV for a decode server")
+            self.prefill.keep(s.request_id, s.token, s.block_ids)
+        for ld in meta.loads:
+            if self.decode is None:
+                raise RuntimeError("a kv_producer was asked to load KV")
+            self.decode.start_load_kv(ld.request_id, ld.params, ld.block_ids)
+        for p in meta.drops:
+            if self.decode is not None and p.control_address in self.decode.known_peers:
+                self.decode.abort_later(p)
+
+    def results(self) -> KVConnectorTransferResults:
+        res = KVConnectorTransferResults()
+        if self.prefill is not None:
+            self.prefill.expire()
+            with self._lock:
+                res.finished_sending, self._sent = self._sent, set()
+        if self.decode is not None:
+            for r in self.decode.get_finished():
+                res.finished_recving.add(r.request_id)
+                if r.error is not None:
+                    res.failed_recving.add(r.request_id)
+                    self._load_failures += 1
+        return res
+
+    def totals(self) -> dict[str, float]:
+        out = dict.fromkeys(COUNTERS, 0)
+        if self.decode is not None:
+            st = self.decode.stats_snapshot()
+            out.update(
+                pulls=st["pulls"],
+                pull_failures=self._load_failures,
+                bytes_pulled=st["bytes"],
+                messages_pulled=st["messages"],
+                pull_seconds=st["seconds"],
+            )
+        if self.prefill is not None:
+            st = self.prefill.stats_snapshot()
+            out.update(
+                handed_over=st["handed_over"],
+                pulled_from=st["pulled"],
+                bytes_sent=st["bytes_sent"],
+                released=st["released"],
+                expired=st["expired"],
+                aborted=st["aborted"],
+            )
+        return out
+
+    def stats_delta(self) -> dict[str, float]:
+        now = self.totals()
+        delta = {k: now[k] - self._reported[k] for k in COUNTERS}
+        self._reported = now
+        return delta
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=1.0)
+        if self.prefill is not None:
+            self.prefill.close()
+        if self.decode is not None:
+            self.decode.close()
+        self.transport.close()
