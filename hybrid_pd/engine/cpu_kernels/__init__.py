@@ -56,8 +56,6 @@ from hybrid_pd.engine.cpu_kernels.attention import decode_attention, prompt_atte
 from hybrid_pd.engine.cpu_kernels.linears import PANEL, gemv, pack_panels, panel_linear
 from hybrid_pd.engine.cpu_kernels.loader import (
     FLAGS,
-    _build,
-    _openmp_runtimes,
     enabled_by_env,
     kernel_threads,
     library,
@@ -65,6 +63,8 @@ from hybrid_pd.engine.cpu_kernels.loader import (
     threads_match,
     torch_openmp,
 )
+from hybrid_pd.engine.cpu_kernels.loader import _build as _build  # for the tests, as before
+from hybrid_pd.engine.cpu_kernels.loader import _openmp_runtimes as _openmp_runtimes
 from hybrid_pd.engine.cpu_kernels.norms import gate_norm, l2_norm, norm_gate, norm_rope, rms_norm
 from hybrid_pd.engine.cpu_kernels.scans import (
     conv_silu,
@@ -104,27 +104,25 @@ __all__ = [
     "torch_openmp",
 ]
 
-# `_build` and `_openmp_runtimes` stay reachable here for the tests, as before the split
-_ = (_build, _openmp_runtimes)
 
-#: The loader's state, read and written through this package (`cpu_kernels._shared_openmp =
-#: False` takes effect in `loader`, as it did when the package was one module).
-_LOADER_STATE = frozenset({"_lib", "_tried", "_why_not", "_shared_openmp"})
+def _through_to_loader(name: str) -> property:
+    """`loader.<name>`, read and written through the package: setting
+    `cpu_kernels._shared_openmp` takes effect in `loader`, as when the package was one module
+    (the tests set it)."""
+    return property(
+        lambda _: getattr(loader, name),
+        lambda _, value: setattr(loader, name, value),
+        doc=f"`loader.{name}`",
+    )
 
 
 class _Package(types.ModuleType):
-    """This package as a module whose loader state lives in `loader`."""
+    """This package, whose loader state lives in `loader`."""
 
-    def __getattr__(self, name: str):
-        if name in _LOADER_STATE:
-            return getattr(loader, name)
-        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _LOADER_STATE:
-            setattr(loader, name, value)
-        else:
-            super().__setattr__(name, value)
+    _lib = _through_to_loader("_lib")
+    _tried = _through_to_loader("_tried")
+    _why_not = _through_to_loader("_why_not")
+    _shared_openmp = _through_to_loader("_shared_openmp")
 
 
 sys.modules[__name__].__class__ = _Package
