@@ -1,4 +1,4 @@
-"""The C kernels (hybrid_pd/engine/cpu_kernels.py) against their PyTorch counterparts, their
+"""The C kernels (hybrid_pd/engine/cpu_kernels/) against their PyTorch counterparts, their
 build (cache, fallback without a compiler) and their use by the models."""
 
 from __future__ import annotations

@@ -1,0 +1,37 @@
+"""What the family modules share: how many threads a call splits over, and the checks and
+pointers of optional arguments."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_pd.engine.cpu_kernels.loader import kernel_threads
+
+#: Below this many state elements times tokens a call is not split over threads.
+SPLIT_MIN_WORK = 1 << 20
+#: Below this many elements an element-wise kernel (`act_mul`, the norms) is not split.
+ROWS_SPLIT_MIN = 1 << 16
+
+
+def split_threads(units: int, work: int, least: int = SPLIT_MIN_WORK) -> int:
+    """Threads for a call over `units` independent units (state heads, sequences, rows):
+    torch's (`kernel_threads`) when the work (state elements times tokens, or elements)
+    pays for a split, else 1."""
+    return max(1, min(kernel_threads(), units)) if work >= least else 1
+
+
+def vector_or_none(t: torch.Tensor | None, n: int, dtype: torch.dtype) -> bool:
+    """Whether `t` (a bias, a norm's weight) is None or a contiguous [n] tensor of `dtype` on
+    the CPU, as the kernels take it."""
+    return t is None or (
+        t.dtype is dtype and t.device.type == "cpu" and t.shape == (n,) and t.is_contiguous()
+    )
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """The data pointer of an optional argument (NULL for None)."""
+    return None if t is None else t.data_ptr()
+
+
+def is_f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu"

@@ -1,0 +1,98 @@
+"""Linears in C: one input row (`gemv`, float32 or bfloat16) and float32 rows against a weight
+packed into panels (`pack_panels`, `panel_linear`). Source `csrc/linears.c`. Each returns None
+where its kernel does not apply (then the caller takes oneDNN's GEMM)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid_pd.engine.cpu_kernels.common import ptr, split_threads, vector_or_none
+from hybrid_pd.engine.cpu_kernels.loader import kernel_threads, library
+
+#: Fewest weight elements a one-row linear splits over threads for.
+_GEMV_SPLIT_MIN = 1 << 18
+
+
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` for one row of x, in C; None where the kernel does not
+    apply (then use the library's GEMM). x [1, k] or [k]; weight [n, k] contiguous, float32
+    or bfloat16 (x and bias the same), on the CPU. The sums are float32 in a fixed order:
+    they agree with a GEMM to rounding, not bit for bit. With several torch threads the
+    rows are split over them. What a one-sequence decode step spends most of its time on:
+    every weight is read once, and the kernel prefetches the next rows while it sums (see
+    `gemv` in the C source)."""
+    if x.dtype is not weight.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if x.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    n, k = weight.shape
+    if x.shape not in ((1, k), (k,)) or not weight.is_contiguous():
+        return None
+    if not vector_or_none(bias, n, x.dtype):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    bf16 = x.dtype is torch.bfloat16
+    xf = x.reshape(k).float().contiguous() if bf16 else x.reshape(k).contiguous()
+    y = x.new_empty((*x.shape[:-1], n))
+    fn = lib.gemv_bf16 if bf16 else lib.gemv_f32
+    threads = split_threads(n // 64, n * k, _GEMV_SPLIT_MIN)
+    fn(k, weight.data_ptr(), xf.data_ptr(), ptr(bias), y.data_ptr(), n, threads)
+    return y
+
+
+#: Output columns per panel of `pack_panels` (PANEL in the C source).
+PANEL = 32
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [n, k] (float32, CPU) reordered for `panel_linear`: [ceil(n / PANEL), k,
+    PANEL], panel p holding output columns p PANEL .. p PANEL + PANEL - 1 (zeros past n),
+    or None where the kernels do not apply. The same values, as much memory (plus the
+    padding of the last panel)."""
+    if weight.dtype is not torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    if library() is None:
+        return None
+    n, k = weight.shape
+    count = -(-n // PANEL)
+    padded = weight.detach().new_zeros(count * PANEL, k)
+    padded[:n] = weight.detach()
+    return padded.view(count, PANEL, k).transpose(1, 2).contiguous()
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` with the weight as `pack_panels` made it (`n` its output
+    features), in C; None where the kernel does not apply. x [..., k] float32 on the CPU;
+    bias [n] float32 or None. Each output is one float32 sum over k in order, so a row's
+    result does not depend on the other rows, nor on the thread count; it agrees with a
+    library GEMM to rounding. The panels are split over torch's threads (`kernel_threads`;
+    `onednn.pack_weight` packs panels only where `threads_match`)."""
+    if x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() < 1 or not x.numel():
+        return None
+    count, k, width = panels.shape
+    if width != PANEL or x.shape[-1] != k or not -PANEL < n - count * PANEL <= 0:
+        return None
+    if not vector_or_none(bias, n, torch.float32):
+        return None
+    if not panels.is_contiguous() or panels.dtype is not torch.float32:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    y = x.new_empty(m, n)
+    lib.panel_linear_f32(
+        m, n, k, panels.data_ptr(), rows.data_ptr(), rows.stride(0),
+        ptr(bias), y.data_ptr(),
+        min(kernel_threads(), count),
+    )  # fmt: skip
+    return y.view(*x.shape[:-1], n)

@@ -1,0 +1,192 @@
+"""Build and load the kernels: every C source of `csrc/` compiled in one `cc` call into one
+shared library, cached by a digest of the sources, the flags, the compiler and the CPU, and
+loaded with ctypes; and how many threads the kernels may split over (torch's OpenMP threads,
+shared, or one). See the package's docstring."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from hybrid_pd.engine.cpu_kernels.signatures import declare
+
+# the package's name, as when the package was one module
+logger = logging.getLogger(__package__)
+
+#: The C sources (`*.c`, compiled together) and their headers (`*.h`).
+CSRC = Path(__file__).with_name("csrc")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why_not = ""
+#: The library runs its OpenMP splits on torch's own runtime (see `library`).
+_shared_openmp = False
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("HYBRID_PD_CPU_KERNELS", "1").strip().lower() not in ("0", "off", "no")
+
+
+def _cpu_identity() -> str:
+    """The CPU model and feature flags (what -march=native compiles for)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(keep))
+
+
+def _cache_dir() -> Path:
+    given = os.environ.get("HYBRID_PD_KERNEL_CACHE")
+    return Path(given) if given else Path.home() / ".cache" / "hybrid-pd" / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def torch_openmp() -> bool:
+    """Whether torch's intra-op threads are OpenMP's (its CPU builds for Linux): then the
+    kernels are built with OpenMP and split over those threads (`kernel_threads`)."""
+    if not enabled_by_env() or os.environ.get("HYBRID_PD_KERNEL_OPENMP", "1") == "0":
+        return False
+    return "OpenMP" in torch.__config__.parallel_info() and sys.platform.startswith("linux")
+
+
+def _flags() -> tuple[str, ...]:
+    return FLAGS + (("-fopenmp",) if torch_openmp() else ())
+
+
+def _openmp_runtimes() -> set[str]:
+    """The files of the OpenMP runtimes this process has loaded (Linux)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    names = ("libgomp", "libiomp", "libomp")
+    return {ln.split()[-1] for ln in maps.splitlines() if any(n in ln for n in names)}
+
+
+def _sources() -> list[Path]:
+    """The C files, compiled in one call into one library."""
+    return sorted(CSRC.glob("*.c"))
+
+
+def _source_text() -> str:
+    """Every C file and header of `csrc/`, by name: what the cache key covers."""
+    files = sorted([*CSRC.glob("*.c"), *CSRC.glob("*.h")])
+    return "\0".join(f"{p.name}\0{p.read_text()}" for p in files)
+
+
+def _build() -> Path:
+    """The shared library for these sources, CPU and compiler, built if not cached."""
+    cc = _compiler()
+    if cc is None:
+        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
+    flags = _flags()
+    key = hashlib.sha256(
+        b"\0".join(
+            s.encode() for s in (_source_text(), " ".join(flags), version.stdout, _cpu_identity())
+        )
+    ).hexdigest()[:24]
+    folder = _cache_dir()
+    target = folder / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *flags, "-o", tmp, *map(str, _sources()), "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise OSError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (disabled, or the build failed: logged once)."""
+    global _lib, _tried, _why_not
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        if not enabled_by_env():
+            _why_not = "HYBRID_PD_CPU_KERNELS=0"
+        else:
+            try:
+                path = _build()
+                before = _openmp_runtimes()
+                lib = ctypes.CDLL(str(path))
+                declare(lib)
+                _lib = lib
+                _check_openmp(before)
+                logger.info("CPU kernels: %s (OpenMP: %s)", path, _shared_openmp)
+            # AttributeError: a library without a function this module declares (the source
+            # changed under a running install)
+            except (OSError, AttributeError, subprocess.SubprocessError) as e:
+                _why_not = str(e)
+                logger.warning("CPU kernels unavailable, using the PyTorch path: %s", e)
+        _tried = True
+    return _lib
+
+
+def _check_openmp(before: set[str]) -> None:
+    """Split over threads only where the library found torch's OpenMP runtime already
+    loaded (the loader then binds the library to it): a second runtime would start a
+    second set of threads competing with torch's."""
+    global _shared_openmp
+    after, wanted = _openmp_runtimes(), torch_openmp()
+    _shared_openmp = wanted and bool(before) and after == before
+    if wanted and not _shared_openmp:
+        logger.warning(
+            "the CPU kernels did not share torch's OpenMP runtime (%s loaded); they run "
+            "on one thread",  # and with several torch threads `threads_match` is False
+            sorted(after - before) or "none",
+        )
+
+
+def kernel_threads() -> int:
+    """How many threads the kernels may split their work over: torch's intra-op count
+    where they share its OpenMP threads (`library`), else 1."""
+    return torch.get_num_threads() if library() is not None and _shared_openmp else 1
+
+
+def threads_match() -> bool:
+    """Whether a split kernel runs on as many threads as torch's operations: always with
+    one torch thread or a shared runtime. Where not, `panel_linear` and `decode_attention`
+    are not used (one thread beside torch's idle ones lost to oneDNN and SDPA)."""
+    return kernel_threads() == torch.get_num_threads()
+
+
+def status(build: bool = True) -> str:
+    """`on`, or `off (why)`, for logs and stats; builds the kernels if not tried yet (with
+    `build=False`: `not loaded` then)."""
+    if not _tried and not build:
+        return "not loaded"
+    return "on" if library() is not None else f"off ({_why_not})"
