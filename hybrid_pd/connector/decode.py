@@ -488,8 +488,12 @@ class DecodeConnector:
         the bytes' arrival."""
         t0 = time.perf_counter()
         peer = self._peer(params.control_address)  # the handshake names a layout mismatch
-        if params.fingerprint != self.layout.fingerprint:
-            raise TransferFailed("KV layout fingerprint in kv_transfer_params differs from ours")
+        # the params must come from the layout the handshake agreed to (ours, or a
+        # tensor-parallel peer's that maps onto ours)
+        if params.fingerprint != (peer.layout or self.layout).fingerprint:
+            raise TransferFailed(
+                "KV layout fingerprint in kv_transfer_params differs from the prefill worker's"
+            )
         skip = list(held) if any(held) else []
         if skip and len(skip) != len(dst_block_ids):
             raise ValueError(f"held has {len(skip)} groups, block ids {len(dst_block_ids)}")
