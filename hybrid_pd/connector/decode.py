@@ -133,6 +133,9 @@ class DecodeConnector:
             "messages": 0,
             "seconds": 0.0,  # pull time of the successful pulls, handshake to arrival
             "last_error": "",
+            # bytes each of this worker's ranks received (tensor-parallel pulls; a single
+            # rank otherwise: its total is "bytes")
+            "bytes_by_rank": [0] * layout.tp_size,
         }
         #: Called (from a pull thread) when a load ended: the engine loop's `wake`.
         self.notify: Callable[[], None] = lambda: None
@@ -153,10 +156,20 @@ class DecodeConnector:
             for k, v in deltas.items():
                 self.stats[k] += v
 
+    def _count_ranks(self, plan, runs) -> None:
+        if isinstance(plan, ShardedPlan):
+            by_rank = plan.bytes_by_rank(runs, "dst")
+        else:
+            by_rank = [plan.nbytes(runs)]
+        with self._lock:
+            counts = self.stats["bytes_by_rank"]
+            for rank, n in enumerate(by_rank):
+                counts[rank] += n
+
     def stats_snapshot(self) -> dict:
         """A consistent copy of `stats`."""
         with self._lock:
-            return dict(self.stats)
+            return {**self.stats, "bytes_by_rank": list(self.stats["bytes_by_rank"])}
 
     # -- worker side (ConnectorWorker) ------------------------------------------------------
     def start_load_kv(
@@ -526,8 +539,10 @@ class DecodeConnector:
         """Post receives into `dst`'s runs (paired with `src`), then ask the prefill worker
         to send them (PullKV with `fields`); its reply once the bytes have arrived. Raises
         _Refused when the prefill worker refused, TransferFailed when the transfer failed."""
+        plan = peer.plan or self._plan
         try:
-            messages, packing = self._messages(peer, (peer.plan or self._plan).runs(src, dst))
+            runs = plan.runs(src, dst)
+            messages, packing = self._messages(peer, runs)
         except ValueError as e:
             raise TransferFailed(f"{what} does not fit this request: {e}") from e
         if len(messages) >= 1 << 16:
@@ -553,6 +568,7 @@ class DecodeConnector:
             if not reply.ok:
                 raise _Refused(reply.error)
             handle.wait(self.timeout_s)
+            self._count_ranks(plan, runs)
         except grpc.RpcError as e:
             handle.cancel()
             self.forget_peer(params.control_address)

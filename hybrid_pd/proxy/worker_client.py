@@ -192,6 +192,7 @@ def stats_from_pb(reply: pb.StatsReply) -> dict:
     if reply.HasField("decode"):
         out["peers"] = list(reply.decode.peers)
         out["decode_connector"] = _scalars(reply.decode.connector)
+        out["decode_connector"]["bytes_by_rank"] = list(reply.decode.connector.bytes_by_rank)
     return out
 
 

@@ -190,6 +190,7 @@ class Worker:
             page_size_bytes=self.layout.page_size_bytes,
             block_size=self.layout.block_size,
             cpu_kernels=cpu_kernels.status(build=False),
+            tensor_parallel_size=self.layout.tp_size,
         )
         for role in (self.prefill, self.decode):
             if role is not None:
