@@ -18,7 +18,7 @@ from hybrid_pd.launcher.console import (
     configure_logging,
     forward_ray_logs_plainly,
 )
-from hybrid_pd.launcher.generate import add_generate
+from hybrid_pd.launcher.generate import add_generate, positive_int
 from hybrid_pd.launcher.lazy_parser import LazyParser
 
 logger = logging.getLogger("hybrid_pd.launcher.cli")
@@ -224,6 +224,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="proxy: prefills run on decode workers at once while no prefill worker is up "
         "(default 4)",
     )
+    for prefix, who in (("", "every worker"), ("prefill-", "prefill"), ("decode-", "decode")):
+        p.add_argument(
+            f"--{prefix}tensor-parallel-size",
+            type=positive_int,
+            help=f"ranks of each {who} worker's engine, one process each on its node "
+            + ("(default 1)" if not prefix else "(default --tensor-parallel-size)"),
+        )
     p.add_argument(
         "--max-migrations",
         type=int,
@@ -304,6 +311,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "engine",
         "vllm_python",
         "dtype",
+        "tensor_parallel_size",
+        "prefill_tensor_parallel_size",
+        "decode_tensor_parallel_size",
     )
     overrides = {k: getattr(args, k) for k in keys}
     if args.log_level is None and args.verbose:

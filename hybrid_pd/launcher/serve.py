@@ -140,7 +140,7 @@ class Deployment:
                 _node_ip_address="127.0.0.1",
                 include_dashboard=False,
                 resources={"prefill": config.prefill, "decode": config.decode},
-                num_cpus=max(2, config.prefill + config.decode),
+                num_cpus=max(2, config.engine_processes),
                 **common,
             )
         else:
@@ -177,10 +177,12 @@ class Deployment:
                 log_level=self.config.log_level,
                 **self._vllm_args[(role, index)],
             )
+        # one actor per worker: rank 0, which starts the worker's other ranks on its own
+        # node (a one-bundle placement); it holds the devices of all of them
         return self._remote.options(
             resources={role: 1},
             num_cpus=0,
-            num_gpus=self._gpu,
+            num_gpus=self._gpu * self.config.tp_size(role),
             max_restarts=self.config.max_restarts,
             max_task_retries=0,
         ).remote(
@@ -190,9 +192,7 @@ class Deployment:
             log_level=self.config.log_level,
             # embedded Ray: every worker is on this host; on a cluster each actor counts
             # the worker slots of its own node
-            workers_on_host=(
-                self.config.prefill + self.config.decode if self.config.address is None else None
-            ),
+            workers_on_host=(self.config.engine_processes if self.config.address is None else None),
         )
 
     def _start_proxy(self, model_path: str) -> None:

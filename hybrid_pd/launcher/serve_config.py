@@ -117,6 +117,11 @@ class ServeConfig:
     vllm_python: str | None = None
     #: engine vllm: the compute dtype (None: the checkpoint's, else float32).
     dtype: str | None = None
+    #: Ranks of each worker's engine (tensor parallelism), one process each, all on the
+    #: worker's node; per role when set there.
+    tensor_parallel_size: int = 1
+    prefill_tensor_parallel_size: int | None = None
+    decode_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         names = self.served_model_names
@@ -153,6 +158,14 @@ class ServeConfig:
         level_of(self.log_level)  # validates
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        for role in ("prefill", "decode"):
+            if self.tp_size(role) < 1:
+                raise ValueError(f"{role} tensor-parallel size must be >= 1")
+        if self.engine == "vllm" and max(self.tp_size("prefill"), self.tp_size("decode")) > 1:
+            raise ValueError(
+                "tensor parallelism with engine vllm is not verified yet: serve vLLM "
+                "workers with tensor-parallel size 1"
+            )
         if self.engine == "vllm" and self.model == "tiny":
             raise ValueError(
                 "engine vllm serves a checkpoint folder: give --model PATH (vLLM's CPU "
@@ -186,6 +199,16 @@ class ServeConfig:
         )
         return dataclasses.replace(self, secret=secret, secret_file=None)
 
+    def tp_size(self, role: str) -> int:
+        """Ranks of a `role` worker ("prefill" or "decode")."""
+        own = getattr(self, f"{role}_tensor_parallel_size")
+        return self.tensor_parallel_size if own is None else own
+
+    @property
+    def engine_processes(self) -> int:
+        """Engine processes of every worker together (what shares an embedded host)."""
+        return self.prefill * self.tp_size("prefill") + self.decode * self.tp_size("decode")
+
     def worker_config(self, role: str, model_path: str) -> WorkerConfig:
         from hybrid_pd.engine.engine import EngineConfig
         from hybrid_pd.workers.worker import WorkerConfig
@@ -205,6 +228,8 @@ class ServeConfig:
             failure_policy=self.failure_policy,
             ucx_tls=self.ucx_tls,
             max_queued=self.max_queued,
+            tensor_parallel_size=self.tp_size(role),
+            rank_threads=self.threads,
         )
 
     def resolved_vllm_python(self) -> str:

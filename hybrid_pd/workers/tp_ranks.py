@@ -10,8 +10,9 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,17 @@ class RankGroup:
         device: str | None = None,
         threads: int | None = None,
         share_pools: bool = False,
+        on_lost: Callable[[int, int], None] | None = None,
     ) -> None:
+        """`on_lost(rank, exit code)`: called (from a watcher thread) when a rank ends
+        before `close`; a worker whose rank is gone cannot step, so it typically exits and
+        is re-created whole. Default: log it."""
         from hybrid_pd.engine.tp.group import join_group, open_rendezvous
+
+        if threads is None:
+            import torch
+
+            threads = torch.get_num_threads()  # what this rank was given, for each rank
 
         self.size = size
         self.tag = uuid.uuid4().hex[:12] if share_pools else None
@@ -92,6 +102,18 @@ class RankGroup:
             stop_followers(self.procs, timeout_s=5.0)
             raise
         self._closed = False
+        self._on_lost = on_lost or (
+            lambda rank, code: logger.error("tensor-parallel rank %d exited (%s)", rank, code)
+        )
+        for rank, proc in enumerate(self.procs, start=1):
+            threading.Thread(
+                target=self._watch, args=(rank, proc), name=f"tp-rank-{rank}", daemon=True
+            ).start()
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()  # blocks this watcher only; nothing polls
+        if not self._closed:
+            self._on_lost(rank, code)
 
     def pools(self, own) -> list:
         """Every rank's pool in rank order: `own` (rank 0's buffer), then the others'

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ class Worker:
                 config.device,
                 config.rank_threads,
                 share_pools=True,
+                on_lost=_rank_lost,
             )
             tp = self.ranks.group
         try:
@@ -207,6 +209,15 @@ class Worker:
             if role is not None:
                 role.close()
         self.transport.close()
+
+
+def _rank_lost(rank: int, code: int) -> None:
+    """A worker whose tensor-parallel rank died cannot take another step: it ends at once
+    (its other ranks follow it), so that its requests migrate or retry elsewhere and its
+    supervisor (Ray, or whoever started it) brings the whole worker back."""
+    logger.critical("tensor-parallel rank %d exited (code %s): this worker stops", rank, code)
+    logging.shutdown()
+    os._exit(70)
 
 
 def _model_identity(hf_config: dict, model) -> str:
