@@ -161,7 +161,12 @@ class ServeConfig:
         for role in ("prefill", "decode"):
             if self.tp_size(role) < 1:
                 raise ValueError(f"{role} tensor-parallel size must be >= 1")
-        if self.engine == "vllm" and max(self.tp_size("prefill"), self.tp_size("decode")) > 1:
+        tp = max(self.tp_size("prefill"), self.tp_size("decode"))
+        if self.overlap_transfer and tp > 1:
+            raise ValueError(
+                "overlap_transfer with tensor parallelism is not verified yet: turn one off"
+            )
+        if self.engine == "vllm" and tp > 1:
             raise ValueError(
                 "tensor parallelism with engine vllm is not verified yet: serve vLLM "
                 "workers with tensor-parallel size 1"

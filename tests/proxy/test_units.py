@@ -126,6 +126,7 @@ def worker_stats(role: str) -> dict:
         "page_size_bytes": 4096,
         "block_size": 16,
         "cpu_kernels": "on",
+        "tensor_parallel_size": 2,
     }
     if role in ("prefill", "both"):
         out["leases"] = 2
@@ -146,6 +147,7 @@ def worker_stats(role: str) -> dict:
             "staged_pulls": 5,
             "staged_bytes": 1 << 30,
             "staged_void": 1,
+            "bytes_by_rank": [1 << 32, 1 << 32],
         }
         out["peers"] = ["127.0.0.1:5001", "127.0.0.1:5002"]
     out["transport"] = {
