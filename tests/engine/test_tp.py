@@ -261,28 +261,18 @@ def _reassemble(parts, rule: Split, size: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------- tokens
 
 
-def _tp_tokens(folder: Path, size: int) -> dict:
+def tp_tokens(
+    folder: Path, size: int, rounds, new: int, max_batched_tokens: int = 24
+) -> dict:
+    """Greedy tokens of an engine of `size` real rank processes (tests/engine/tp_scenario.py)
+    over `rounds` of prompts."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tests.engine.tp_scenario",
-            "--model",
-            str(folder),
-            "--size",
-            str(size),
-            "--rounds",
-            json.dumps(PROMPTS),
-            "--new",
-            str(NEW),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        [sys.executable, "-m", "tests.engine.tp_scenario", "--model", str(folder),
+         "--size", str(size), "--rounds", json.dumps(rounds), "--new", str(new),
+         "--max-batched-tokens", str(max_batched_tokens)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -296,7 +286,7 @@ def test_tp_engine_equals_tp1(case, size, folders):
     reference = run_rounds(Engine(model, config, engine_config(), tok), PROMPTS, NEW)
     flat = [t for rnd in reference for out in rnd for t in out]
     assert len(set(flat)) > NEW, "the checkpoint's greedy outputs hardly vary: a weak test"
-    got = _tp_tokens(folders[case], size)
+    got = tp_tokens(folders[case], size, PROMPTS, NEW)
     assert got["tokens"] == reference
     assert got["follower_exit_codes"] == [0] * (size - 1)
     assert got["steps"] > len(PROMPTS)  # chunked: several steps per round

@@ -16,9 +16,9 @@ from hybrid_pd.engine.tp.group import join_group, leave_group, open_rendezvous
 from hybrid_pd.workers.tp_ranks import start_followers, stop_followers
 
 
-def engine_config() -> EngineConfig:
-    """Small steps so prompts prefill in several chunks, side by side."""
-    return EngineConfig(kv_memory_bytes=32 * 2**20, max_num_batched_tokens=24)
+def engine_config(max_batched_tokens: int = 24) -> EngineConfig:
+    """Small steps by default, so prompts prefill in several chunks, side by side."""
+    return EngineConfig(kv_memory_bytes=32 * 2**20, max_num_batched_tokens=max_batched_tokens)
 
 
 def run_rounds(engine: Engine, rounds: list[list[list[int]]], new: int) -> list[list[list[int]]]:
@@ -33,9 +33,10 @@ def main() -> int:
     p.add_argument("--size", type=int, required=True)
     p.add_argument("--rounds", required=True, help="JSON: rounds of prompts (token ids)")
     p.add_argument("--new", type=int, default=8)
+    p.add_argument("--max-batched-tokens", type=int, default=24)
     args = p.parse_args()
     set_torch_threads(1)
-    config = engine_config()
+    config = engine_config(args.max_batched_tokens)
     store, address = open_rendezvous(args.size)
     procs = start_followers(args.model, args.size, address, config, None, 1)
     group = join_group(0, args.size, store)

@@ -38,18 +38,21 @@ class TPGroup:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of `x` over the ranks, the same bits on every rank. Partial sums in
-        bfloat16 / float16 are added in float32 and rounded once (as one rank's matmul
-        rounds its float32 accumulator once)."""
+        """The sum of `x` over the ranks, the same bits on every rank, added in rank order
+        (((r0 + r1) + r2) + ...) whatever the tensor's shape. A library all-reduce splits
+        the tensor into chunks whose summation order depends on the element's place: a
+        token's row would then add up differently in a prompt than in a decode step, and a
+        recomputed or migrated request would drift from the one decoded step by step.
+        Partial sums in bfloat16 / float16 are added in float32 and rounded once."""
         if self.size == 1:
             return x
-        if x.dtype in (torch.bfloat16, torch.float16):
-            wide = x.float()
-            dist.all_reduce(wide)
-            return wide.to(x.dtype)
-        x = x.contiguous()
-        dist.all_reduce(x)
-        return x
+        wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x.contiguous()
+        parts = [torch.empty_like(wide) for _ in range(self.size)]
+        dist.all_gather(parts, wide)
+        total = parts[0]
+        for part in parts[1:]:
+            total = total.add_(part)
+        return total.to(x.dtype)
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (pickled; small control messages only)."""
