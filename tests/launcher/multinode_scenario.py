@@ -24,6 +24,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--address", required=True)
     ap.add_argument("--requests", type=int, default=50)
+    ap.add_argument("--prefill-tp", type=int, default=1)
     args = ap.parse_args()
     from hybrid_pd.engine.threads import set_torch_threads
 
@@ -38,6 +39,7 @@ def main() -> int:
             threads=1,
             min_prefill_tokens=8,
             ucx_tls="tcp,self",
+            prefill_tensor_parallel_size=args.prefill_tp,
         )
     )
     result: dict = {"addresses": dep.addresses}
@@ -72,6 +74,7 @@ def main() -> int:
         time.sleep(1.0)
         stats = dep.worker_stats()
         result["nodes"] = {k: s["address"] for k, s in stats.items()}
+        result["tp"] = {k: s["tensor_parallel_size"] for k, s in stats.items()}
         result["kv_bytes_moved"] = sum(
             s.get("prefill_connector", {}).get("bytes_sent", 0) for s in stats.values()
         )

@@ -24,7 +24,10 @@ pytestmark = [
 ]
 
 
-def test_multinode_cluster_50_concurrent_requests(tmp_path):
+@pytest.mark.parametrize("prefill_tp", [1, 2])
+def test_multinode_cluster_50_concurrent_requests(tmp_path, prefill_tp):
+    """`prefill_tp` 2: the prefill worker is a tensor-parallel group of two ranks on the
+    prefill host, handing KV to a one-rank decode worker on the other host."""
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     env = {
         **os.environ,
@@ -85,6 +88,8 @@ def test_multinode_cluster_50_concurrent_requests(tmp_path):
                 head,
                 "--requests",
                 "50",
+                "--prefill-tp",
+                str(prefill_tp),
             ),
             capture_output=True,
             text=True,
@@ -101,6 +106,7 @@ def test_multinode_cluster_50_concurrent_requests(tmp_path):
         assert result["nodes"]["decode-0"].startswith(hosts.ip["decode"] + ":")
         assert result["kv_bytes_moved"] > 0, result
         assert all(v == 0 for v in result["leaked"].values()), result["leaked"]
+        assert result["tp"] == {"prefill-0": prefill_tp, "decode-0": 1}
     finally:
         # Only this test's Ray: the processes inside its namespaces (never `ray stop`, which
         # reaches every Ray instance on the machine).
