@@ -86,6 +86,7 @@ def bench_tp(
         if name not in checkpoints.FAMILIES:
             raise ValueError(f"unknown family {name!r}; known: {', '.join(checkpoints.FAMILIES)}")
     t0 = time.perf_counter()
+    load_start = _loadavg()
     rows: list[dict] = []
     throughput: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="hybrid-pd-bench-tp-") as tmp:
@@ -110,12 +111,22 @@ def bench_tp(
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "seconds": round(time.perf_counter() - t0, 1),
+        # Other work on the CPUs skews the timings (TP 1's 2 threads most of all).
+        "loadavg_start": load_start,
+        "loadavg_end": _loadavg(),
         "all_exact": all(r["exact"] for r in rows),
         "all_min_bytes": all(r["bytes_by_rank"] == r["min_bytes_by_rank"] for r in rows),
         "all_clean": all(r["clean"] for r in rows),
         "any_recomputed": any(r["recomputed"] for r in rows),
     }
     return {"pairs": rows, "throughput": throughput, "meta": meta}
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def summary(result: dict[str, Any]) -> str:
@@ -149,7 +160,8 @@ def summary(result: dict[str, Any]) -> str:
     m = result["meta"]
     lines.append(
         f"\nall exact {m['all_exact']}, bytes = minimum {m['all_min_bytes']}, clean "
-        f"{m['all_clean']}, recomputed {m['any_recomputed']}; {m['seconds']} s"
+        f"{m['all_clean']}, recomputed {m['any_recomputed']}; {m['seconds']} s, load average "
+        f"{m.get('loadavg_start')} -> {m.get('loadavg_end')}"
     )
     return "\n".join(lines)
 

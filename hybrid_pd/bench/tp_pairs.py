@@ -15,7 +15,7 @@ KV_MEMORY = "32MiB"
 
 
 def parse_pairs(text: str) -> list[tuple[int, int]]:
-    """"1-1,1-2" -> [(1, 1), (1, 2)]; ValueError for anything else."""
+    """Pairs from "1-1,1-2": [(1, 1), (1, 2)]; ValueError for anything else."""
     pairs = []
     for item in (x.strip() for x in text.split(",")):
         if not item:

@@ -149,8 +149,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         engine = Engine(model, hf_config, config, tok, tp=group)
         try:
             gen = torch.Generator().manual_seed(0)
-            warm = torch.randint(3, 256, (16,), generator=gen).tolist()
-            _timed_batch(engine, [warm], 4)  # first forward passes: allocations, lazy init
+            # First forward passes (allocations, lazy init) at the largest shape, untimed.
+            warm = torch.randint(3, 256, (args.prompt_len,), generator=gen).tolist()
+            _timed_batch(engine, [warm] * max(sizes), 4)
             runs = []
             for bs in sizes:
                 prompts = [
