@@ -1,0 +1,190 @@
+"""`bench tp`'s throughput half: prefill and decode tokens/s of one engine at TP 1 next to
+TP 2 on the same checkpoint, each setup a fresh process (`python -m
+hybrid_pd.bench.tp_throughput`, rank 0; at TP 2 it starts rank 1 with the product's
+`workers.tp_ranks.start_followers`), the setups alternating rep by rep."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+#: (name, TP size, torch threads per rank): the same 2 cores either way.
+SETUPS = (("tp1", 1, 2), ("tp2", 2, 1))
+
+
+def measure(
+    path: Path,
+    size: int,
+    threads: int,
+    batch_sizes: list[int],
+    prompt_len: int,
+    new_tokens: int,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """One setup's run in a fresh process; its JSON (`_main`). RuntimeError when the process
+    fails."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybrid_pd.bench.tp_throughput",
+        "--model",
+        str(path),
+        "--size",
+        str(size),
+        "--threads",
+        str(threads),
+        "--batch-sizes",
+        ",".join(map(str, batch_sizes)),
+        "--prompt-len",
+        str(prompt_len),
+        "--new-tokens",
+        str(new_tokens),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0 or not out.stdout.strip():
+        tail = out.stderr[-2000:]
+        raise RuntimeError(f"TP {size} throughput run failed ({out.returncode}): {tail}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare(
+    family: str,
+    path: Path,
+    batch_sizes: list[int],
+    prompt_len: int,
+    new_tokens: int,
+    reps: int,
+) -> list[dict[str, Any]]:
+    """TP 1 (2 threads) and TP 2 (1 thread per rank), alternated `reps` times; one row per
+    batch size: each rep's tokens/s, their medians, tp2 / tp1 ratios, and whether the two
+    setups produced the same greedy tokens."""
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in SETUPS}
+    for _ in range(reps):
+        for name, size, threads in SETUPS:
+            runs[name].append(measure(path, size, threads, batch_sizes, prompt_len, new_tokens))
+    rows = []
+    for i, bs in enumerate(batch_sizes):
+        row: dict[str, Any] = {
+            "family": family,
+            "batch_size": bs,
+            "prompt_len": prompt_len,
+            "new_tokens": new_tokens,
+        }
+        for name, size, threads in SETUPS:
+            per_rep = [r["runs"][i] for r in runs[name]]
+            row[name] = {
+                "tp_size": size,
+                "threads_per_rank": threads,
+                "prefill_tokens_per_s": [r["prefill_tokens_per_s"] for r in per_rep],
+                "decode_tokens_per_s": [r["decode_tokens_per_s"] for r in per_rep],
+                "prefill_median": statistics.median(r["prefill_tokens_per_s"] for r in per_rep),
+                "decode_median": statistics.median(r["decode_tokens_per_s"] for r in per_rep),
+            }
+        one, two = row["tp1"], row["tp2"]
+        row["prefill_ratio"] = round(two["prefill_median"] / one["prefill_median"], 3)
+        row["decode_ratio"] = round(two["decode_median"] / one["decode_median"], 3)
+        tokens = {name: [r["runs"][i]["tokens"] for r in runs[name]] for name in runs}
+        row["tokens_equal"] = all(t == tokens["tp1"][0] for ts in tokens.values() for t in ts)
+        rows.append(row)
+    return rows
+
+
+def _timed_batch(engine, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """Prefill time is the first step (the whole batch fits one step); decode tokens/s
+    counts the tokens after the first."""
+    from hybrid_pd.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    t0 = time.perf_counter()
+    first = None
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        if first is None:
+            first = time.perf_counter()
+    t1 = time.perf_counter()
+    bs = len(prompts)
+    return {
+        "batch_size": bs,
+        "prefill_tokens_per_s": round(bs * len(prompts[0]) / (first - t0), 1),
+        "decode_tokens_per_s": round(bs * (new_tokens - 1) / max(1e-9, t1 - first), 1),
+        "tokens": [done.get(str(i), []) for i in ids],
+    }
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from hybrid_pd.engine.engine import Engine, EngineConfig
+    from hybrid_pd.engine.loader import load_model
+    from hybrid_pd.engine.malloc import tune_malloc
+    from hybrid_pd.engine.threads import set_torch_threads
+    from hybrid_pd.engine.tp.group import SINGLE, join_group, leave_group, open_rendezvous
+    from hybrid_pd.workers.tp_ranks import start_followers, stop_followers
+
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    set_torch_threads(args.threads)
+    tune_malloc()
+    config = EngineConfig(
+        kv_memory_bytes=256 * 2**20,
+        max_num_batched_tokens=args.prompt_len * max(sizes),
+        enable_prefix_caching=False,
+    )
+    procs, group = [], SINGLE
+    if args.size > 1:
+        store, address = open_rendezvous(args.size)
+        procs = start_followers(args.model, args.size, address, config, None, args.threads)
+        group = join_group(0, args.size, store)
+    try:
+        model, hf_config, tok = load_model(Path(args.model), tp=group)
+        engine = Engine(model, hf_config, config, tok, tp=group)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            # First forward passes (allocations, lazy init) at the largest shape, untimed.
+            warm = torch.randint(3, 256, (args.prompt_len,), generator=gen).tolist()
+            _timed_batch(engine, [warm] * max(sizes), 4)
+            runs = []
+            for bs in sizes:
+                prompts = [
+                    torch.randint(3, 256, (args.prompt_len,), generator=gen).tolist()
+                    for _ in range(bs)
+                ]
+                runs.append(_timed_batch(engine, prompts, args.new_tokens))
+        finally:
+            if group.size > 1:
+                engine.release_followers()
+    finally:
+        if group.size > 1:
+            leave_group(group)
+            stop_followers(procs)
+    return {"tp_size": args.size, "threads": args.threads, "runs": runs}
+
+
+def _main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hybrid_pd.bench.tp_throughput")
+    p.add_argument("--model", required=True)
+    p.add_argument("--size", type=int, required=True)
+    p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--batch-sizes", required=True)
+    p.add_argument("--prompt-len", type=int, required=True)
+    p.add_argument("--new-tokens", type=int, required=True)
+    args = p.parse_args(argv)
+    from hybrid_pd.engine.heap import frozen_heap
+
+    with frozen_heap():  # as in every engine process
+        result = _run(args)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
