@@ -1096,3 +1096,26 @@ def test_conv_steps_equal_the_prompt_convolution_bit_for_bit():
     assert cpu_kernels.conv_step_silu(rows.double(), x[:3], weight, None) is None
     assert cpu_kernels.conv_step_silu(rows, x[:2], weight, None) is None
     assert cpu_kernels.conv_step_silu(rows, x[:3], weight[:, :3], None) is None
+
+
+@pytest.mark.slow
+def test_engine_processes_starting_together_build_the_kernels_once(tmp_path):
+    """Three processes ask for the kernels at once on a machine without them: one
+    compiles, the others wait for its library (they log no build of their own)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr);"
+        "from hybrid_pd.engine import cpu_kernels; assert cpu_kernels.library() is not None"
+    )
+    env = {**os.environ, "HYBRID_PD_KERNEL_CACHE": str(tmp_path)}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    logs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], logs
+    assert sum(log.count("building the CPU kernels") for log in logs) == 1, logs
+    assert len(list(tmp_path.glob("cpu_kernels-*.so"))) == 1
+    assert not list(tmp_path.glob(".build-*"))  # no half-built leftovers

@@ -6,6 +6,7 @@ shared, or one). See the package's docstring."""
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -109,11 +110,45 @@ def _build() -> Path:
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
-    os.close(fd)
+    # One build per machine: the engine processes that start together (a worker's ranks,
+    # a host's workers) wait on this lock for the first one's build instead of each
+    # compiling the same library.
+    with open(folder / f".lock-{key}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        _compile(cc, flags, folder, target)
+    return target
+
+
+def _compile(cc: str, flags: tuple[str, ...], folder: Path, target: Path) -> None:
+    """Each C file to an object, side by side (as many at once as this process may use
+    CPUs), then one link; the library appears at `target` whole or not at all."""
+    logger.info("building the CPU kernels into %s (once per machine)", target)
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
     try:
+        objects = [work / f"{src.stem}.o" for src in _sources()]
+        compile_flags = [f for f in flags if f != "-shared"]
+        jobs = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+        pending = list(zip(_sources(), objects, strict=True))
+        while pending:
+            batch, pending = pending[:jobs], pending[jobs:]
+            procs = [
+                subprocess.Popen(
+                    [cc, *compile_flags, "-c", "-o", str(obj), str(src)],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for src, obj in batch
+            ]
+            errors = [p.communicate(timeout=120)[1] for p in procs]
+            failed = [e for p, e in zip(procs, errors, strict=True) if p.returncode != 0]
+            if failed:
+                raise OSError(f"{cc} failed: {failed[0].strip()[-2000:]}")
+        tmp = work / "lib.so"
         done = subprocess.run(
-            [cc, *flags, "-o", tmp, *map(str, _sources()), "-lm"],
+            [cc, *flags, "-o", str(tmp), *map(str, objects), "-lm"],
             capture_output=True,
             text=True,
             check=False,
@@ -123,9 +158,7 @@ def _build() -> Path:
             raise OSError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def library() -> ctypes.CDLL | None:
