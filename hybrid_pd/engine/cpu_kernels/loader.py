@@ -113,11 +113,14 @@ def _build() -> Path:
     # One build per machine: the engine processes that start together (a worker's ranks,
     # a host's workers) wait on this lock for the first one's build instead of each
     # compiling the same library.
-    with open(folder / f".lock-{key}", "w") as lock:
+    lock_path = folder / f".lock-{key}"
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.exists():
             return target
         _compile(cc, flags, folder, target)
+        # the library exists: later processes never reach the lock (waiters hold it open)
+        lock_path.unlink(missing_ok=True)
     return target
 
 
