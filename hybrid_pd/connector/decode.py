@@ -76,7 +76,8 @@ class DecodeConnector:
         `message_max_regions` regions and `message_max_bytes` bytes (CPU pools, and peers
         that take it); off: one message per region. `shard_buffers()`: this worker's
         ranks' pools, rank order (a tensor-parallel worker, or any worker pulling from
-        one: `connector.tp_plan`)."""
+        one: `connector.tp_plan`). `max_staged_loads`: staged loads followed at once (more
+        wait their turn; none holds a thread while its prefill runs)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id

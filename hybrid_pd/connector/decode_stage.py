@@ -82,8 +82,8 @@ class StagedLoad:
 class StagedLoads:
     """The staged loads of one `DecodeConnector`: at most `max_loads` followed at once (more
     wait their turn), each advanced by its Progress replies on the connector's pull threads.
-    Every load ends in exactly one `LoadResult` (`DecodeConnector.finish_load`), except
-    loads still waiting their turn when the connector closes."""
+    Every load ends in exactly one `LoadResult` (`DecodeConnector.finish_load`) while the
+    connector is open; closing it drops what is queued or in flight unreported."""
 
     def __init__(self, conn: DecodeConnector, max_loads: int) -> None:
         self._conn = conn
@@ -192,7 +192,8 @@ class StagedLoads:
                 raise TransferFailed(_DROPPED)
 
     def _reply(self, load: StagedLoad):
-        self._check_dropped(load)
+        """The Progress reply (a call cancelled by `drop` or `close`: the load ends); as
+        before each look, a drop that came after the reply is seen at the next ask."""
         address = load.params.control_address
         try:
             reply = load.call.result()
