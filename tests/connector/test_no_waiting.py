@@ -17,7 +17,7 @@ from pathlib import Path
 from hybrid_pd.connector import control
 from hybrid_pd.connector.control import KVControlServicer
 from hybrid_pd.proto import kv_control_pb2 as pb
-from tests.connector.test_connector_units import _staged_keeper
+from tests.connector.test_connector_units import _late_keeper, _staged_keeper
 
 CONNECTOR = Path(control.__file__).parent
 NOT_SCANNED = {"faults.py"}
@@ -94,3 +94,30 @@ def test_progress_is_answered_when_the_engine_publishes_not_by_a_poll():
     assert reply.ok and reply.state == "running" and 0.15 < time.monotonic() - t0 < 2.0
     bad = pb.ProgressRequest(request_id="r", transfer_token="guess", min_tokens=1, wait_s=1.0)
     assert not asyncio.run(servicer.Progress(bad, _Context())).ok
+
+
+def test_an_early_pull_awaits_its_keep_on_the_loop():
+    """A PullKV that comes before its request's keep (vLLM's order) awaits the keep on the
+    event loop, then sends; a pull for a request never kept fails after the wait."""
+    conn, _ = _late_keeper(keep_wait_s=5.0)
+    servicer = KVControlServicer("p", conn.layout, b"ucx", conn)
+    keeper = threading.Timer(0.3, conn.keep, args=("r", "tok", ((1, 2), ())))
+    pull = pb.PullRequest(
+        request_id="r",
+        transfer_token="tok",
+        ucx_address=b"peer",
+        tag=64,
+        dst_blocks=[pb.BlockIds(ids=[5, 6]), pb.BlockIds(ids=[])],
+    )
+    t0 = time.monotonic()
+    keeper.start()
+    reply = asyncio.run(servicer.PullKV(pull, _Context()))
+    keeper.join()
+    assert reply.ok and reply.messages == 1 and 0.25 < time.monotonic() - t0 < 4.0
+    assert conn.transport.sent[0][2] == [(1, 2)] and len(conn.watchers) == 0
+    conn.keep_wait_s = 0.3
+    never = pb.PullRequest(request_id="nobody", transfer_token="tok", dst_blocks=[])
+    t0 = time.monotonic()
+    reply = asyncio.run(servicer.PullKV(never, _Context()))
+    assert not reply.ok and "no KV kept" in reply.error
+    assert 0.25 < time.monotonic() - t0 < 3.0
