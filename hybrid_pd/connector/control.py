@@ -3,7 +3,9 @@ the decode side's client helpers.
 
 No thread is held per open call: open Generate streams are coroutines waiting on queues, so
 Health, Stats and the KV control calls that free blocks are answered however many streams are
-open. Blocking work (UCX sends) runs in an executor, never on the event loop. Protobuf objects
+open. A call that waits for a request's state (Progress, a pull that came before its keep)
+awaits the prefill connector's change events (`watch.until`): nothing polls, no thread waits.
+Blocking work (UCX sends) runs in an executor, never on the event loop. Protobuf objects
 are converted here, at the edge; nothing inward sees them.
 """
 
@@ -22,6 +24,7 @@ import grpc
 
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import GroupGeometry, KVLayout
+from hybrid_pd.connector.watch import until
 from hybrid_pd.kvcache.tp_layout import SlotRows
 from hybrid_pd.proto import kv_control_pb2 as pb
 from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
@@ -29,8 +32,7 @@ from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 
 SECRET_HEADER = "x-hybrid-pd-secret"
-#: Progress long-polls: how often the prefill's state is looked at, and the longest wait.
-PROGRESS_POLL_S = 0.01
+#: Progress long-polls: the longest a call waits for the prefill's state to move.
 PROGRESS_WAIT_MAX_S = 10.0
 
 
@@ -213,6 +215,7 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         timeout = max(1.0, (remaining if remaining is not None else 30.0) - 0.5)
         dst = [list(g.ids) for g in request.dst_blocks]
         dst_layout = layout_from_pb(request.dst_layout) if request.HasField("dst_layout") else None
+        rid = request.request_id
         if request.stage_epoch:
             send = partial(
                 self.prefill.pull_stage,
@@ -223,11 +226,18 @@ class KVControlServicer(pb_grpc.KVControlServicer):
                 list(request.stage_end),
             )
         else:
+            # A pull may come before its request's keep (vLLM keeps at its next step): await
+            # the keep here, then send on the executor without waiting there.
+            wait = self.prefill.keep_wait(timeout)
+            if wait > 0:
+                settled = partial(self.prefill.settled, rid)
+                await until(self.prefill.watchers, rid, lambda: (settled(), None), wait)
             send = partial(
                 self.prefill.pull,
-                request.request_id,
+                rid,
                 request.transfer_token,
                 skip=list(request.skip_blocks),
+                wait_for_keep=False,
             )
         try:
             res = await asyncio.get_running_loop().run_in_executor(
@@ -271,27 +281,31 @@ class KVControlServicer(pb_grpc.KVControlServicer):
 
     async def Progress(self, request, context):
         """Long-poll: answer once `min_tokens` are computed, the prefill ended, or `wait_s`
-        (at most PROGRESS_WAIT_MAX_S) passed. Polls the connector's state: no thread waits."""
+        (at most PROGRESS_WAIT_MAX_S) passed. Awaits the request's change events (the
+        engine's step publishing progress, a preemption, the keep, the end): no poll."""
         await self._need_prefill(context)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(max(request.wait_s, 0.0), PROGRESS_WAIT_MAX_S)
-        while True:
-            try:
-                p = self.prefill.progress(request.request_id, request.transfer_token)
-            except TransferFailed as e:
-                return pb.ProgressReply(ok=False, error=str(e))
+        rid, token = request.request_id, request.transfer_token
+
+        def look():
+            p = self.prefill.progress(rid, token)
             done = p.state in ("kept", "ended") or (
                 p.state == "running" and p.computed >= request.min_tokens
             )
-            if done or loop.time() >= deadline:
-                return pb.ProgressReply(
-                    ok=True,
-                    state=p.state,
-                    epoch=p.epoch,
-                    computed_tokens=p.computed,
-                    block_ids=[pb.BlockIds(ids=g) for g in p.block_ids],
-                    first_token=p.first_token,
-                    engine_id=self.prefill.engine_id if p.state == "kept" else "",
-                    fingerprint=self.prefill.layout.fingerprint if p.state == "kept" else "",
-                )
-            await asyncio.sleep(PROGRESS_POLL_S)
+            return done, p
+
+        wait = min(max(request.wait_s, 0.0), PROGRESS_WAIT_MAX_S)
+        try:
+            p = await until(self.prefill.watchers, rid, look, wait)
+        except TransferFailed as e:
+            return pb.ProgressReply(ok=False, error=str(e))
+        kept = p.state == "kept"
+        return pb.ProgressReply(
+            ok=True,
+            state=p.state,
+            epoch=p.epoch,
+            computed_tokens=p.computed,
+            block_ids=[pb.BlockIds(ids=g) for g in p.block_ids],
+            first_token=p.first_token,
+            engine_id=self.prefill.engine_id if kept else "",
+            fingerprint=self.prefill.layout.fingerprint if kept else "",
+        )

@@ -8,11 +8,9 @@ handshake (once per prefill worker: layouts must match)
 post UCX receives straight into the destination runs
 PullKV over gRPC (prefill sends the runs) → wait for the receives → Release
 
-Staged params (the proxy sent them while the prefill still runs): follow the prefill with
-Progress long-polls; each time attention blocks are final there (all their tokens computed,
-and still read at the end of the prompt), pull them (a staged PullKV); once the prefill kept
-its KV, the final pull sends only the rest (state pages, the last blocks). Blocks staged
-under an epoch the prefill left (preempted there) are pulled again.
+Staged params (the proxy sent them while the prefill still runs): `decode_stage.StagedLoads`
+follows the prefill, a state advanced by Progress replies, pulling final attention blocks as
+they come; its final pull is `pull` with the staged blocks held.
 """
 
 from __future__ import annotations
@@ -24,13 +22,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.base import LoadResult, TransferFailed
 from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
+from hybrid_pd.connector.decode_peer import Peer, Refused, TransferStats, rpc_error
+from hybrid_pd.connector.decode_stage import StagedLoads
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.segments import (
     MESSAGE_MAX_BYTES,
@@ -46,33 +45,9 @@ from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
 from hybrid_pd.proto import kv_control_pb2 as pb
 from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
 
+__all__ = ["DecodeConnector", "TransferStats"]
+
 logger = logging.getLogger(__name__)
-
-#: Staged loads: how long one Progress call may wait, how many whole blocks a staged pull
-#: waits for (fewer only in the final pull), and how many refused staged pulls in a row
-#: end the staging (the final pull then sends everything).
-PROGRESS_WAIT_S = 5.0
-STAGE_MIN_BLOCKS = 1
-STAGE_MAX_VOID = 3
-
-
-@dataclass(frozen=True)
-class TransferStats:
-    bytes: int
-    messages: int
-    seconds: float
-
-
-@dataclass
-class _Peer:
-    channel: grpc.Channel
-    stub: pb_grpc.KVControlStub
-    ucx_address: bytes
-    engine_id: str
-    scatter_gather: bool  # takes several regions per message (PullRequest.message_regions)
-    layout: KVLayout | None = None
-    #: The transfer plan between its pools and ours (tensor-parallel pairs; else ours).
-    plan: object = None
 
 
 class DecodeConnector:
@@ -101,7 +76,8 @@ class DecodeConnector:
         `message_max_regions` regions and `message_max_bytes` bytes (CPU pools, and peers
         that take it); off: one message per region. `shard_buffers()`: this worker's
         ranks' pools, rank order (a tensor-parallel worker, or any worker pulling from
-        one: `connector.tp_plan`)."""
+        one: `connector.tp_plan`). `max_staged_loads`: staged loads followed at once (more
+        wait their turn; none holds a thread while its prefill runs)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
@@ -111,7 +87,7 @@ class DecodeConnector:
         self._shard_buffers = shard_buffers
         self._metadata = call_metadata(secret)
         self.timeout_s = timeout_s
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, Peer] = {}
         self._bare: dict[str, grpc.Channel] = {}  # control-only channels (see _stub)
         self._known: set[str] = set(peers)
         self._lock = threading.Lock()
@@ -141,12 +117,9 @@ class DecodeConnector:
         self.notify: Callable[[], None] = lambda: None
         self._pulls = ThreadPoolExecutor(max_parallel_pulls, thread_name_prefix="kv-pull")
         self._control = ThreadPoolExecutor(1, thread_name_prefix="kv-control")
-        # A staged load waits on its prefill for the whole prompt: its own threads, so
-        # ordinary pulls never queue behind them (the engine's max_num_seqs bounds them).
-        self._staged = ThreadPoolExecutor(max_staged_loads, thread_name_prefix="kv-stage")
-        self._following: set[str] = set()  # staged loads running (prefill request ids)
-        self._dropped: set[str] = set()  # of those, the ones whose request was dropped
-        self._closing = False
+        # Staged loads hold no thread while their prefill runs: each Progress reply
+        # advances one on a pull thread (`decode_stage`); at most max_staged_loads at once.
+        self._staged = StagedLoads(self, max_staged_loads)
         self._finished: list[LoadResult] = []
 
     def _count(self, **deltas: float) -> None:
@@ -180,7 +153,7 @@ class DecodeConnector:
         held: Sequence[int] = (),
     ) -> None:
         if params.staged:
-            self._staged.submit(self._load_staged, request_id, params, block_ids, tuple(held))
+            self._staged.start(request_id, params, block_ids, tuple(held))
             return
         self._pulls.submit(self._load, request_id, params, block_ids, tuple(held))
 
@@ -196,167 +169,28 @@ class DecodeConnector:
             logger.exception("KV pull for %s failed", request_id)
             res = LoadResult(request_id, f"{type(e).__name__}: {e}")
         if res.error is not None:
-            with self._lock:
-                self.stats["last_error"] = res.error
             logger.warning("KV pull for %s failed: %s", request_id, res.error)
             if params.control_address in self.known_peers:
                 self.abort_later(params)  # the prefill worker frees it now, not at expiry
-        with self._lock:
-            self._finished.append(res)
-        self.notify()
+        self.finish_load(res)
         if release is not None:  # after the engine heard: not on the request's critical path
-            try:
-                self._release(self._peer(release.control_address), release)
-            except TransferFailed as e:  # the lease expires on its own
-                logger.warning("release of %s failed (%s)", release.request_id, e)
+            self.release_after(release)
 
-    def _load_staged(self, request_id: str, params: KVTransferParams, block_ids, held) -> None:
-        """A load that began while the prefill ran: stage, then the final pull."""
-        final = None
+    def finish_load(self, res: LoadResult) -> None:
+        """A load ended: the engine hears it (`get_finished`) and is woken (`notify`)."""
         with self._lock:
-            self._following.add(params.request_id)
-        try:
-            self._count(staged_loads=1)
-            final, have, staged = self._follow(params, block_ids, held)
-            st = self.pull(final, block_ids, release=False, held=have, staged=sum(have) - sum(held))
-            res = LoadResult(
-                request_id,
-                None,
-                st.bytes + staged.bytes,
-                st.messages + staged.messages,
-                st.seconds,  # what the request waited once the prefill ended
-                first_token=final.first_token,
-                staged_bytes=staged.bytes,
-            )
-        except Exception as e:  # never lose a load: the engine must hear that it ended
-            if not isinstance(e, TransferFailed):
-                logger.exception("staged KV load for %s failed", request_id)
-            error = str(e) if isinstance(e, TransferFailed) else f"{type(e).__name__}: {e}"
-            first = final.first_token if final is not None else None
-            res = LoadResult(request_id, error, first_token=first)
-        with self._lock:
-            self._following.discard(params.request_id)
-            self._dropped.discard(params.request_id)
             if res.error is not None:
                 self.stats["last_error"] = res.error
-        if res.error is not None:
-            logger.warning("staged KV load for %s failed: %s", request_id, res.error)
-            # With the first token known the engine recomputes: the KV is not needed. Without
-            # it the proxy may still hand the kept KV to another decode leg: leave the lease.
-            if final is not None:
-                self.abort_later(final)
-        with self._lock:
             self._finished.append(res)
         self.notify()
-        if res.error is None:
-            try:
-                self._release(self._peer(final.control_address), final)
-            except TransferFailed as e:  # the lease expires on its own
-                logger.warning("release of %s failed (%s)", final.request_id, e)
 
-    def _follow(self, params: KVTransferParams, block_ids, held) -> tuple:
-        """Follow a running prefill, pulling its final attention blocks as they come;
-        returns (the completed params, per group the blocks this worker now holds, the
-        staged pulls' TransferStats)."""
-        peer = self._peer(params.control_address)
-        bs = self.layout.block_size
-        stageable = [g.kind != "state" for g in self.layout.groups]
-        dst = [[b for b in g if b != NULL_BLOCK_ID] for g in block_ids]
-        # Leading null blocks: the positions the end of the prompt no longer reads.
-        skipped = [len(g) - len(d) for g, d in zip(block_ids, dst, strict=True)]
-        base = list(held) if held else [0] * len(dst)
-        have, epoch, void = list(base), 0, 0
-        moved = [0, 0]  # bytes, messages of staged pulls that stood
-        admitted_by = time.monotonic() + self.timeout_s
-        while True:
-            with self._lock:
-                if params.request_id in self._dropped or self._closing:
-                    raise TransferFailed("the request was dropped while its prefill ran")
-            # Where the next block to stage is complete; none left (or staging gave up):
-            # wait for the end, which Progress answers at once (min_tokens past the prompt).
-            ends = [
-                (skipped[g] + have[g] + STAGE_MIN_BLOCKS) * bs
-                for g in range(len(dst))
-                if stageable[g] and have[g] < len(dst[g])
-            ]
-            ends = [t for t in ends if t <= params.prompt_len]
-            want = min(ends) if ends and void < STAGE_MAX_VOID else params.prompt_len + 1
-            reply = self._progress(peer, params, want)
-            if reply.state == "ended":
-                raise TransferFailed("the prefill ended without keeping the KV")
-            if reply.state == "waiting":
-                if time.monotonic() > admitted_by:
-                    raise TransferFailed("the prefill worker never admitted the request")
-                time.sleep(0.05)
-                continue
-            if reply.epoch != epoch:  # first reply, or the prefill was preempted
-                if have != base:  # what was staged came from freed blocks
-                    self._count(staged_void=1)
-                have, epoch = list(base), reply.epoch
-            if reply.state == "kept":
-                final = params.completed(
-                    [g.ids for g in reply.block_ids],
-                    reply.first_token,
-                    reply.engine_id,
-                    reply.fingerprint,
-                )
-                return final, have, TransferStats(moved[0], moved[1], 0.0)
-            if want > params.prompt_len:
-                continue
-            ready = [len(g.ids) for g in reply.block_ids] or [0] * len(dst)
-            if len(ready) != len(dst):
-                raise TransferFailed(f"the prefill worker names {len(ready)} groups")
-            end = [
-                max(have[g], min(ready[g], len(dst[g]))) if stageable[g] else have[g]
-                for g in range(len(dst))
-            ]
-            if sum(end) - sum(have) < STAGE_MIN_BLOCKS:
-                continue
-            src = [list(reply.block_ids[g].ids[have[g] : end[g]]) for g in range(len(dst))]
-            try:
-                st = self._pull_stage(peer, params, epoch, have, end, src, dst)
-            except _Refused as e:
-                void += 1
-                self._count(staged_void=1)
-                logger.info("staged pull of %s refused (%s)", params.request_id, e)
-                have = list(base)  # what the refused pull wrote is garbage: pull it again
-                continue
-            have = end
-            moved[0] += st.bytes
-            moved[1] += st.messages
-
-    def _progress(self, peer: _Peer, params: KVTransferParams, min_tokens: int):
+    def release_after(self, params: KVTransferParams) -> None:
+        """Release a pulled request's KV on its prefill worker (best effort: else its
+        lease expires on its own)."""
         try:
-            reply = peer.stub.Progress(
-                pb.ProgressRequest(
-                    request_id=params.request_id,
-                    transfer_token=params.transfer_token,
-                    min_tokens=min_tokens,
-                    wait_s=PROGRESS_WAIT_S,
-                ),
-                timeout=PROGRESS_WAIT_S + self.timeout_s,
-                metadata=self._metadata,
-            )
-        except grpc.RpcError as e:
-            self.forget_peer(params.control_address)
-            raise TransferFailed(
-                f"prefill worker {params.control_address} failed during the prefill: "
-                f"{_rpc_error(e)}"
-            ) from e
-        if not reply.ok:
-            raise TransferFailed(f"prefill worker refused the progress call: {reply.error}")
-        return reply
-
-    def _pull_stage(self, peer: _Peer, params, epoch: int, have, end, src, dst) -> TransferStats:
-        """One staged pull: group g's blocks have[g] .. end[g]. Raises _Refused when the
-        prefill worker refused or voided it (the blocks changed there), TransferFailed when
-        it failed."""
-        t0 = time.perf_counter()
-        part = [d[a:b] for d, a, b in zip(dst, have, end, strict=True)]
-        stage = {"skip_blocks": have, "stage_epoch": epoch, "stage_end": end}
-        reply = self._transfer(peer, params, src, part, "a staged pull", **stage)
-        self._count(staged_pulls=1, staged_bytes=reply.bytes, bytes=reply.bytes)
-        return TransferStats(reply.bytes, reply.messages, time.perf_counter() - t0)
+            self._release(self._peer(params.control_address), params)
+        except TransferFailed as e:
+            logger.warning("release of %s failed (%s)", params.request_id, e)
 
     def get_finished(self) -> list[LoadResult]:
         with self._lock:
@@ -372,13 +206,14 @@ class DecodeConnector:
 
     def abort_later(self, params: KVTransferParams) -> None:
         """`abort` on the control thread (the request was dropped before its pull). A
-        staged load still following its prefill stops at its next look."""
+        staged load still following its prefill ends (`StagedLoads.drop`)."""
         if params.staged:
-            with self._lock:
-                if params.request_id in self._following:
-                    self._dropped.add(params.request_id)
+            self._staged.drop(params.request_id)
             return
-        self._control.submit(self.abort, params)
+        try:
+            self._control.submit(self.abort, params)
+        except RuntimeError:  # closed: the lease expires on its own
+            logger.warning("abort of %s not sent: the connector closed", params.request_id)
 
     def add_peers(self, addresses) -> None:
         """Prefill workers (control addresses) this worker may dial from now on."""
@@ -390,7 +225,7 @@ class DecodeConnector:
         with self._lock:
             return sorted(self._known)
 
-    def _peer(self, address: str) -> _Peer:
+    def _peer(self, address: str) -> Peer:
         with self._lock:
             peer = self._peers.get(address)
             known = address in self._known
@@ -416,7 +251,7 @@ class DecodeConnector:
             )
         except grpc.RpcError as e:
             channel.close()
-            raise TransferFailed(f"prefill worker {address} unreachable: {_rpc_error(e)}") from e
+            raise TransferFailed(f"prefill worker {address} unreachable: {rpc_error(e)}") from e
         diff = self.layout.difference(layout_from_pb(reply.layout))  # said from our side
         if diff or not reply.ok:
             channel.close()
@@ -424,7 +259,7 @@ class DecodeConnector:
                 f"prefill worker {address} refused the handshake: {diff or reply.error}"
             )
         peer_layout = layout_from_pb(reply.layout)
-        peer = _Peer(
+        peer = Peer(
             channel,
             stub,
             reply.ucx_address,
@@ -446,7 +281,7 @@ class DecodeConnector:
             raise TransferFailed("a tensor-parallel peer needs this worker's pools in rank order")
         return ShardedPlan(peer_layout, self.layout, self._shard_buffers)
 
-    def _messages(self, peer: _Peer, runs: Sequence) -> tuple[list, list[int]]:
+    def _messages(self, peer: Peer, runs: Sequence) -> tuple[list, list[int]]:
         """(the transport's messages to receive into, the packing the prefill side is told:
         regions per message, or [] for one message per region)."""
         packs = self.scatter_gather and peer.scatter_gather
@@ -517,7 +352,7 @@ class DecodeConnector:
             src = tuple(list(g[n:]) for g, n in zip(src, skip, strict=False))
         try:
             reply = self._transfer(peer, params, src, dst, "the pull", skip_blocks=skip)
-        except _Refused as e:
+        except Refused as e:
             self._count(failed=1)
             raise TransferFailed(f"prefill worker refused the pull: {e}") from None
         except Exception:
@@ -535,10 +370,10 @@ class DecodeConnector:
         )
         return stats
 
-    def _transfer(self, peer: _Peer, params: KVTransferParams, src, dst, what: str, **fields):
+    def _transfer(self, peer: Peer, params: KVTransferParams, src, dst, what: str, **fields):
         """Post receives into `dst`'s runs (paired with `src`), then ask the prefill worker
         to send them (PullKV with `fields`); its reply once the bytes have arrived. Raises
-        _Refused when the prefill worker refused, TransferFailed when the transfer failed."""
+        Refused when the prefill worker refused, TransferFailed when the transfer failed."""
         plan = peer.plan or self._plan
         try:
             runs = plan.runs(src, dst)
@@ -566,21 +401,21 @@ class DecodeConnector:
                 metadata=self._metadata,
             )
             if not reply.ok:
-                raise _Refused(reply.error)
+                raise Refused(reply.error)
             handle.wait(self.timeout_s)
             self._count_ranks(plan, runs)
         except grpc.RpcError as e:
             handle.cancel()
             self.forget_peer(params.control_address)
             raise TransferFailed(
-                f"prefill worker {params.control_address} failed during {what}: {_rpc_error(e)}"
+                f"prefill worker {params.control_address} failed during {what}: {rpc_error(e)}"
             ) from e
         except BaseException:
             handle.cancel()
             raise
         return reply
 
-    def _release(self, peer: _Peer, params: KVTransferParams) -> None:
+    def _release(self, peer: Peer, params: KVTransferParams) -> None:
         try:
             reply = peer.stub.Release(
                 pb.ReleaseRequest(
@@ -593,7 +428,7 @@ class DecodeConnector:
                 logger.warning("release of %s: %s", params.request_id, reply.error)
         except grpc.RpcError as e:  # the lease expires on its own
             logger.warning(
-                "release of %s failed (%s); its lease will expire", params.request_id, _rpc_error(e)
+                "release of %s failed (%s); its lease will expire", params.request_id, rpc_error(e)
             )
 
     def abort(self, params: KVTransferParams) -> None:
@@ -631,9 +466,7 @@ class DecodeConnector:
         return lost
 
     def close(self) -> None:
-        with self._lock:  # staged loads stop at their next look
-            self._closing = True
-        self._staged.shutdown(wait=False, cancel_futures=True)
+        self._staged.close()  # staged loads end now (their Progress calls are cancelled)
         self._pulls.shutdown(wait=True, cancel_futures=True)
         self._control.shutdown(wait=False, cancel_futures=True)
         with self._lock:
@@ -642,13 +475,3 @@ class DecodeConnector:
             self._bare.clear()
         for channel in channels:
             channel.close()
-
-
-def _rpc_error(e: grpc.RpcError) -> str:
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    return f"{code.name if code else 'error'}: {details}"
-
-
-class _Refused(Exception):
-    """The prefill worker refused or voided a staged pull (its blocks changed)."""

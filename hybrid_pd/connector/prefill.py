@@ -4,21 +4,15 @@ request_finished_all_groups ──► lease(request id, token, blocks, expiry)
 PullKV(token, dst blocks) ──► UCX send of contiguous runs ──► reply (bytes, messages)
 Release / Abort / lease expiry ──► free the blocks (exactly once)
 
-Overlap (a Prefill that carries a transfer token): while the request computes, the engine
-publishes its progress here (`stage_*`, engine thread); a decode worker follows it
-(`progress`) and pulls the attention blocks whose tokens are all computed and which the
-end of the prompt still reads (`pull_stage`): every full-attention block, a sliding
-window's blocks from the final window's first. A block's KV never changes once computed, so
-a staged send is exact unless the blocks were freed meanwhile (preemption): each free moves
-the request's epoch on, and a send whose epoch moved before it ended is reported void (the
-decode side pulls those blocks again). State pages come only with the final pull.
+Overlap (a Prefill that carries a transfer token): the staged half, `prefill_stage.Staging`.
+Every change of a request's state fires its watchers (`watch`), which is what a KVControl
+handler awaits (a Progress call, a pull that came before its keep): no handler polls.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
-import os
 import secrets
 import threading
 import time
@@ -27,31 +21,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
+from hybrid_pd.connector import faults
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.prefill_stage import Progress, PullResult, Stage, Staging, remember
 from hybrid_pd.connector.segments import PagedPlan, TransferPlan, group_regions, split_iov
 from hybrid_pd.connector.tp_plan import ShardedPlan
+from hybrid_pd.connector.watch import Watchers, wait_until
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
+
+__all__ = ["DEFAULT_LEASE_S", "Lease", "PrefillConnector", "Progress", "PullResult"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
-#: How many ended request ids and early aborts a prefill connector remembers.
-_REMEMBERED = 4096
-
-#: Fault injection for the tests only: "exit_during_pull" makes the process exit after
-#: sending part of a transfer; "zero_sends" sends zeros in place of the KV (the proof that
-#: decode's output depends on what it pulls), "zero_sends:MARK" only for the requests whose
-#: id contains MARK; "slow_prefill:SECONDS" sleeps that long after each step of a staged
-#: request (so a test's decode worker sees its prefill in progress). Never set in production.
-_FAULT, _, _FAULT_MARK = os.environ.get("HYBRID_PD_INJECT_FAULT", "").partition(":")
-
-
-def _bounded_put(d: OrderedDict, key: str, value) -> None:
-    """Remember `key`, forgetting the oldest entries past _REMEMBERED."""
-    d[key] = value
-    while len(d) > _REMEMBERED:
-        d.popitem(last=False)
 
 
 def _skipped(groups: Sequence[Sequence[int]], skip: Sequence[int]) -> Sequence[Sequence[int]]:
@@ -63,14 +46,6 @@ def _skipped(groups: Sequence[Sequence[int]], skip: Sequence[int]) -> Sequence[S
     if any(not 0 <= n <= len(g) for g, n in zip(groups, skip, strict=True)):
         raise ValueError(f"skip {list(skip)} outside the kept blocks")
     return [g[n:] for g, n in zip(groups, skip, strict=True)]
-
-
-def _die_mid_transfer(transport, peer: bytes, tag: int, regions: list) -> None:
-    first = regions[0]
-    half = first[: max(1, first.shape[0] // 2)]
-    transport.send(peer, tag, [half], 10.0)
-    logger.error("fault injection: exiting in the middle of a KV transfer")
-    os._exit(17)
 
 
 @dataclass
@@ -87,35 +62,8 @@ class Lease:
     epoch: int = 0
 
 
-@dataclass
-class _Stage:
-    """A request in prefill whose decode worker may pull its computed blocks early."""
-
-    token: str
-    epoch: int = 1
-    computed: int = 0
-    block_ids: tuple[tuple[int, ...], ...] = ()
-
-
-@dataclass(frozen=True)
-class Progress:
-    """What `PrefillConnector.progress` tells a decode worker about a staged request."""
-
-    state: str  # "waiting", "running", "kept" or "ended"
-    epoch: int = 0
-    computed: int = 0
-    block_ids: tuple[tuple[int, ...], ...] = ()
-    first_token: int = -1
-
-
-@dataclass(frozen=True)
-class PullResult:
-    bytes: int
-    messages: int
-
-
-class PrefillConnector:
-    """Implements SupportsHMA for the prefill role."""
+class PrefillConnector(Staging):
+    """Implements SupportsHMA for the prefill role (and the staged half, `Staging`)."""
 
     def __init__(
         self,
@@ -156,15 +104,14 @@ class PrefillConnector:
         self._clock = clock
         self.keep_wait_s = keep_wait_s
         self._lock = threading.Lock()
-        self._kept = threading.Condition(self._lock)
+        #: Fired with a request id whenever its state changes (see `watch`).
+        self._watch = Watchers()
         self._leases: dict[str, Lease] = {}
         # Request ids whose lease ended (a pull for them fails at once) and aborts that
         # came before their keep (id -> token); both bounded, oldest dropped first.
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._early_aborts: OrderedDict[str, str] = OrderedDict()
-        self._stages: dict[str, _Stage] = {}
-        #: The groups a staged pull may send: attention (a computed block is final), never
-        #: state pages (the state advances until the prompt ends).
+        self._stages: dict[str, Stage] = {}
         self._stageable = tuple(g.kind != "state" for g in layout.groups)
         self.stats = {
             "handed_over": 0,
@@ -217,150 +164,33 @@ class PrefillConnector:
                 lease.epoch = stage.epoch
             self.stats["handed_over"] += 1
             early = self._early_aborts.pop(request_id, None)
-            if early is None or not hmac.compare_digest(early.encode(), token.encode()):
+            aborted = early is not None and hmac.compare_digest(early.encode(), token.encode())
+            if not aborted:
                 self._leases[request_id] = lease
-                self._kept.notify_all()
-                return
-            self.stats["aborted"] += 1
-            _bounded_put(self._ended, request_id, None)
-        logger.info("%s was aborted by its decode worker before it was kept", request_id)
-        self._free(lease)
-
-    def _wait_kept(self, request_id: str, timeout: float) -> None:
-        """Under the lock: wait for a keep that may still be on its way."""
-        if self.keep_wait_s <= 0:
-            return
-        deadline = self._clock() + min(self.keep_wait_s, timeout)
-        while request_id not in self._leases and request_id not in self._ended:
-            left = deadline - self._clock()
-            if left <= 0 or not self._kept.wait(left):
-                return
-
-    # -- staging (engine thread) ------------------------------------------------------------
-    def stage_begin(self, request_id: str, token: str) -> None:
-        """A request admitted with a transfer token: decode may follow its progress."""
-        with self._lock:
-            self._stages[request_id] = _Stage(token)
-            self.stats["staged"] += 1
-
-    def stage_progress(
-        self, request_id: str, num_computed: int, block_ids: Sequence[Sequence[int]]
-    ) -> None:
-        """After a step: the prompt tokens computed and, per group, the blocks whose KV is
-        final, in the order the kept KV will list them (the engine's `_final_blocks`)."""
-        if _FAULT == "slow_prefill":
-            time.sleep(float(_FAULT_MARK))
-        with self._lock:
-            stage = self._stages.get(request_id)
-            if stage is None:
-                return
-            stage.computed = num_computed
-            stage.block_ids = tuple(
-                tuple(g) if ok else () for g, ok in zip(block_ids, self._stageable, strict=True)
-            )
-
-    def stage_reset(self, request_id: str) -> None:
-        """The request's blocks were freed (preempted; it will be computed again): blocks
-        staged before now must be pulled again. Call before anything can reuse them."""
-        with self._lock:
-            stage = self._stages.get(request_id)
-            if stage is not None:
-                stage.epoch += 1
-                stage.computed = 0
-                stage.block_ids = ()
-
-    def stage_end(self, request_id: str) -> None:
-        """The request ended without keeping its KV (its first token finished it, it was
-        aborted or it failed). Call before its blocks can be reused."""
-        with self._lock:
-            if self._stages.pop(request_id, None) is not None:
-                _bounded_put(self._ended, request_id, None)
-
-    def progress(self, request_id: str, token: str) -> Progress:
-        """Where a staged request is (any thread; raises TransferFailed on a wrong token)."""
-        with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is not None:
-                self._lease(request_id, token)
-                return Progress(
-                    "kept", lease.epoch, 0, lease.block_ids, first_token=lease.first_token
-                )
-            stage = self._stages.get(request_id)
-            if stage is not None:
-                self._check_token(stage.token, token, request_id)
-                return Progress("running", stage.epoch, stage.computed, stage.block_ids)
-            return Progress("ended" if request_id in self._ended else "waiting")
-
-    def _epoch_of(self, request_id: str) -> int:
-        """Under the lock: the staging epoch whose blocks `request_id` holds now (0: none)."""
-        stage = self._stages.get(request_id)
-        if stage is not None:
-            return stage.epoch
-        lease = self._leases.get(request_id)
-        return lease.epoch if lease is not None else 0
-
-    def pull_stage(
-        self,
-        request_id: str,
-        token: str,
-        epoch: int,
-        start: Sequence[int],
-        end: Sequence[int],
-        dst_blocks: list[list[int]],
-        peer: bytes,
-        tag: int,
-        timeout: float = 30.0,
-        message_regions: Sequence[int] = (),
-        dst_layout: KVLayout | None = None,
-    ) -> PullResult:
-        """Send group g's final attention blocks start[g] .. end[g] of a request
-        still in prefill (or just kept) into `dst_blocks[g]`. Raises TransferFailed when the
-        epoch is not the request's, or moved while sending (the bytes sent are void)."""
-        with self._lock:
-            stage = self._stages.get(request_id)
-            if stage is not None:
-                self._check_token(stage.token, token, request_id)
-                blocks, now = stage.block_ids, stage.epoch
             else:
-                lease = self._lease(request_id, token)
-                blocks, now = lease.block_ids, lease.epoch
-            if now != epoch:
-                self.stats["staged_void"] += 1
-                raise TransferFailed(f"request {request_id}: its blocks changed (preempted)")
-            src = self._stage_src(blocks, start, end)
-        plan = self._plan_for(dst_layout)
-        try:
-            runs = plan.runs(src, dst_blocks)
-        except ValueError as e:
-            raise TransferFailed(f"request {request_id}: {e}") from e
-        messages = self._messages(plan, runs, message_regions, request_id, peer, tag)
-        self.transport.send(peer, tag, messages, timeout)
-        nbytes = plan.nbytes(runs)
-        with self._lock:
-            if self._epoch_of(request_id) != epoch:
-                self.stats["staged_void"] += 1
-                raise TransferFailed(f"request {request_id}: its blocks were freed while sent")
-            self.stats["staged_pulls"] += 1
-            self.stats["staged_bytes"] += nbytes
-            self.stats["bytes_sent"] += nbytes
-            self.stats["messages_sent"] += len(messages)
-        return PullResult(nbytes, len(messages))
+                self.stats["aborted"] += 1
+                remember(self._ended, request_id, None)
+        self._watch.fire(request_id)
+        if aborted:
+            logger.info("%s was aborted by its decode worker before it was kept", request_id)
+            self._free(lease)
 
-    def _stage_src(self, blocks, start, end) -> list[list[int]]:
-        """Under the lock: the source blocks of a staged pull, group g's final blocks
-        start[g] .. end[g] (TransferFailed names what does not fit)."""
-        if len(start) != len(self._stageable) or len(end) != len(self._stageable):
-            raise TransferFailed(f"a staged pull names {len(start)} / {len(end)} groups")
-        src = []
-        for g, (a, b, ok) in enumerate(zip(start, end, self._stageable, strict=True)):
-            have = blocks[g] if g < len(blocks) else ()
-            if a == b:
-                src.append([])
-                continue
-            if not ok or not 0 <= a < b <= len(have):
-                raise TransferFailed(f"group {g}: blocks {a}..{b} are not final attention blocks")
-            src.append(list(have[a:b]))
-        return src
+    # -- waiting for a request's state ------------------------------------------------------
+    @property
+    def watchers(self) -> Watchers:
+        """Fired with a request id whenever that request's state changes: staged progress,
+        preemption, keep, release, abort, expiry, end. What KVControl's handlers await."""
+        return self._watch
+
+    def settled(self, request_id: str) -> bool:
+        """Whether a pull for `request_id` can be answered now: its blocks are kept, or it
+        ended (released, aborted, expired; a pull then fails at once)."""
+        with self._lock:
+            return request_id in self._leases or request_id in self._ended
+
+    def keep_wait(self, timeout: float) -> float:
+        """How long a pull may wait for its request's keep (0: never; `keep_wait_s`)."""
+        return min(self.keep_wait_s, timeout) if self.keep_wait_s > 0 else 0.0
 
     # -- control handlers -------------------------------------------------------------------
     def _check_token(self, expected: str, token: str, request_id: str) -> None:
@@ -389,15 +219,20 @@ class PrefillConnector:
         skip: Sequence[int] = (),
         message_regions: Sequence[int] = (),
         dst_layout: KVLayout | None = None,
+        wait_for_keep: bool = True,
     ) -> PullResult:
         """Send the request's kept blocks to `peer` into `dst_blocks` (per group). `skip[g]`:
         decode holds group g's first kept blocks already; only the rest are sent.
         `message_regions[i]`: how many regions message i carries (scatter-gather); empty:
         one message per region. `dst_layout`: the decode worker's, when either side is
-        tensor-parallel."""
+        tensor-parallel. `wait_for_keep`: a request not kept yet blocks this thread up to
+        `keep_wait` for its keep; KVControl awaits that on its event loop (`settled`,
+        `watchers`) and calls with False, so no handler thread waits."""
         plan = self._plan_for(dst_layout)
+        wait = self.keep_wait(timeout) if wait_for_keep else 0.0
+        if wait > 0:
+            wait_until(self._watch, request_id, lambda: self.settled(request_id), wait)
         with self._lock:
-            self._wait_kept(request_id, timeout)
             lease = self._lease(request_id, token)
             lease.pulling += 1
             lease.expires_at = max(lease.expires_at, self._clock() + self.lease_s)
@@ -439,15 +274,15 @@ class PrefillConnector:
     ) -> list:
         """What the transport sends: the runs' regions, packed as the puller said (rows of
         the pools when the plan has them; fault injection works on region tensors)."""
-        if message_regions and not _FAULT and isinstance(plan, (PagedPlan, ShardedPlan)):
+        if message_regions and not faults.FAULT and isinstance(plan, (PagedPlan, ShardedPlan)):
             found = plan.iov(runs, "src")
             if found is not None:
                 return split_iov(*found, message_regions)
         regions = plan.src_regions(runs)
-        if _FAULT == "zero_sends" and _FAULT_MARK in request_id:
+        if faults.zeroed(request_id):
             regions = [r.new_zeros(r.shape) for r in regions]
-        if _FAULT == "exit_during_pull":
-            _die_mid_transfer(self.transport, peer, tag, regions)
+        if faults.FAULT == "exit_during_pull":
+            faults.die_mid_transfer(self.transport, peer, tag, regions)
         return group_regions(regions, message_regions) if message_regions else regions
 
     def stats_snapshot(self) -> dict:
@@ -464,16 +299,17 @@ class PrefillConnector:
                 and request_id not in self._ended
             ):
                 # Its keep may still be on its way: apply the abort when it arrives.
-                _bounded_put(self._early_aborts, request_id, token)
+                remember(self._early_aborts, request_id, token)
                 return
             self._lease(request_id, token)
             lease = self._leases.pop(request_id)
-            _bounded_put(self._ended, request_id, None)
+            remember(self._ended, request_id, None)
             self.stats[reason] += 1
-            if lease.pulling:  # the blocks are being read: free them when the pull ends
-                lease.free_after_pull = True
-                return
-        self._free(lease)
+            free_now = not lease.pulling  # else read now: freed when the pull ends
+            lease.free_after_pull = not free_now
+        self._watch.fire(request_id)
+        if free_now:
+            self._free(lease)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a kept request by id alone (trusted callers: the proxy's Abort)."""
@@ -504,9 +340,10 @@ class PrefillConnector:
             dead = [ls for ls in self._leases.values() if ls.expires_at < now and not ls.pulling]
             for lease in dead:
                 del self._leases[lease.request_id]
-                _bounded_put(self._ended, lease.request_id, None)
+                remember(self._ended, lease.request_id, None)
                 self.stats["expired"] += 1
         for lease in dead:
+            self._watch.fire(lease.request_id)
             logger.warning("lease of %s expired; freeing its blocks", lease.request_id)
             self._free(lease)
         return len(dead)
@@ -524,5 +361,6 @@ class PrefillConnector:
         with self._lock:
             leases = list(self._leases.values())
             self._leases.clear()
+        self._watch.fire_all()
         for lease in leases:
             self._free(lease)
