@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import hashlib
-import json
 
+from hybrid_pd.api.card import ModelIdentity
 from hybrid_pd.kvcache.tp_layout import TP_CONFIG_KEY
 
 
-def model_identity(hf_config: dict, model) -> str:
+def model_identity(hf_config: dict, model) -> ModelIdentity:
     """Architecture, size and a checksum of the first weights: peers must serve one model."""
     arch = (hf_config.get("architectures") or ["?"])[0]
     params = list(model.parameters())
@@ -17,4 +17,4 @@ def model_identity(hf_config: dict, model) -> str:
     digest = hashlib.sha256(head).hexdigest()[:16]
     tp = hf_config.get(TP_CONFIG_KEY)
     n = tp["parameters"] if tp else sum(p.numel() for p in params)
-    return json.dumps({"architecture": arch, "parameters": n, "weights": digest}, sort_keys=True)
+    return ModelIdentity(architecture=arch, parameters=int(n), weights=digest)

@@ -39,7 +39,7 @@ from pathlib import Path
 import grpc
 import httpx
 
-from hybrid_pd.api.card import ModelCard
+from hybrid_pd.api.card import ModelCard, ModelIdentity
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams, TokenLogprob
 from hybrid_pd.api.wire import card_to_pb, logprob_to_pb, sampling_from_pb
@@ -494,12 +494,14 @@ def _card(model: str, max_model_len: int) -> ModelCard:
     text = config.get("text_config") or config
     eos = text.get("eos_token_id", config.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
+    architecture = (config.get("architectures") or ["?"])[0]
     return ModelCard(
         model=model,
         path=str(folder.resolve()),
-        architecture=(config.get("architectures") or ["?"])[0],
+        architecture=architecture,
         max_model_len=max_model_len,
         vocab_size=text.get("vocab_size"),
         eos_token_ids=eos_ids,
-        identity="vllm",
+        # vLLM loads the weights itself: no digest of them here
+        identity=ModelIdentity(architecture=architecture),
     )

@@ -74,7 +74,10 @@ class Worker:
         kv_config, _ = plan_kv_cache(model, hf_config, config.engine)
         identity = model_identity(hf_config, model)
         self.layout = KVLayout.of(
-            kv_config, identity, plan_whole_kv_cache(model, hf_config, config.engine), tp.size
+            kv_config,
+            identity.key(),
+            plan_whole_kv_cache(model, hf_config, config.engine),
+            tp.size,
         )
         #: Every rank's pool in rank order (rank 0's alone without tensor parallelism).
         self.pools: list = []
