@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.connector.decode import DecodeConnector
 from hybrid_pd.engine.loop import EngineLoop
+from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.workers.config import FAILURE_POLICIES
 from hybrid_pd.workers.role import Handler, Role, WorkerParts
 
@@ -60,7 +61,7 @@ class DecodeRole(Role):
 
     def request_kwargs(
         self, kv: KVTransferParams, prompt_ids: list[int], policy: str = ""
-    ) -> tuple[str, dict]:
+    ) -> tuple[RequestId, dict]:
         """Engine.add_request keywords for a request whose KV waits on a prefill worker
         (`kv` already validated: `KVTransferParams.from_pb`); returns (the prefill-side
         request id, kwargs). Raises ValueError when `kv` or `policy` do not fit."""
@@ -76,7 +77,7 @@ class DecodeRole(Role):
             raise ValueError(f"failure_policy must be one of {POLICIES}")
         first = [] if kv.staged else [kv.first_token]  # staged: the load brings it
         kwargs = {"output_ids": first, "remote_kv": kv, "on_load_failure": policy}
-        return kv.request_id, kwargs
+        return RequestId(kv.request_id), kwargs
 
     def dropped(self, request) -> None:
         """An aborted request whose KV was never pulled: let the prefill worker free it."""

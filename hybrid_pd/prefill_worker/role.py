@@ -15,6 +15,7 @@ from hybrid_pd.connector.control import AioServer
 from hybrid_pd.connector.prefill import PrefillConnector
 from hybrid_pd.connector.setup import add_kv_control
 from hybrid_pd.engine.loop import EngineLoop
+from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.workers.role import Handler, Role, WorkerParts
 
 if TYPE_CHECKING:
@@ -54,15 +55,15 @@ class PrefillRole(Role):
 
         return {"Prefill": PrefillService(worker).Prefill}
 
-    def _free_kept(self, request_id: str) -> None:
+    def _free_kept(self, request_id: RequestId) -> None:
         # Called from RPC handlers and the expiry hook: post, never wait for a step.
         self._loop.post(self._loop.engine.free_request_blocks, request_id)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: RequestId) -> bool:
         """Drop a kept request (the proxy's Abort; the control plane is authenticated)."""
         return self.connector.abort_request(request_id)
 
-    def abort_with_token(self, request_id: str, token: str) -> bool:
+    def abort_with_token(self, request_id: RequestId, token: str) -> bool:
         """Drop a kept request for a caller that shows its transfer token."""
         try:
             self.connector.release(request_id, token, reason="aborted")

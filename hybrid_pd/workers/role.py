@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from hybrid_pd.connector.control import AioServer
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.engine.loop import EngineLoop
+from hybrid_pd.kvcache.ids import EngineId, RequestId
 from hybrid_pd.workers.config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ class WorkerParts:
     """What exists when the roles are made (the engine does not yet)."""
 
     config: WorkerConfig
-    engine_id: str
+    engine_id: EngineId
     layout: KVLayout
     #: The worker's gRPC address (its KVControl address for peers).
     address: str
@@ -61,12 +62,12 @@ class Role:
         """Handlers of the Worker service's role RPCs this role answers, by name."""
         return {}
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: RequestId) -> bool:
         """Drop what this role holds of `request_id` (the proxy's Abort); True if it held
         anything."""
         return False
 
-    def abort_with_token(self, request_id: str, token: str) -> bool:
+    def abort_with_token(self, request_id: RequestId, token: str) -> bool:
         """Drop what this role holds of `request_id` for a caller that shows its transfer
         token (a worker without a secret)."""
         return False

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from hybrid_pd.api.wire import card_to_pb
+from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 from hybrid_pd.workers.role import Handler
@@ -70,10 +71,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 )
             return pb.AbortReply(ok=True)
         # shielded: the abort completes even if its caller stops waiting for the answer
-        found = await asyncio.shield(asyncio.ensure_future(self._abort(request.request_id)))
+        rid = RequestId(request.request_id)
+        found = await asyncio.shield(asyncio.ensure_future(self._abort(rid)))
         return pb.AbortReply(ok=found)
 
-    async def _abort(self, request_id: str) -> bool:
+    async def _abort(self, request_id: RequestId) -> bool:
         req = await asyncio.wrap_future(self.w.loop.abort(request_id))
         found = req is not None
         for role in self.w.roles:

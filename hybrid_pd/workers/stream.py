@@ -19,6 +19,7 @@ from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.api.wire import logprob_to_pb, sampling_from_pb
 from hybrid_pd.engine.engine import RequestOutput
 from hybrid_pd.engine.loop import RequestFailed
+from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.proto import worker_pb2 as pb
 
 if TYPE_CHECKING:
@@ -40,11 +41,11 @@ class RequestStream:
                 pass
 
         self.sink = sink
-        self.request_id: str | None = None
+        self.request_id: RequestId | None = None
         self.finished = False
         self.queued = False
 
-    async def open(self, *args, **kwargs) -> str:
+    async def open(self, *args, **kwargs) -> RequestId:
         """Add the request (ValueError: refused, nothing queued). Its queue slot is taken
         before the first await: the engine thread takes the request only after its current
         step, and calls arriving meanwhile must already see the slot taken."""
@@ -52,7 +53,7 @@ class RequestStream:
         self.w.queued += 1
         fut = self.w.loop.submit(*args, sink=self.sink, **kwargs)
         try:
-            self.request_id = await asyncio.wrap_future(fut)
+            self.request_id = RequestId(await asyncio.wrap_future(fut))
         except BaseException:
             self._unqueue()
             # Cancelled (the client left) after the engine took it: drop it there too.

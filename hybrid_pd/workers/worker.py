@@ -29,6 +29,7 @@ from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.loop import EngineLoop
 from hybrid_pd.engine.tiny import resolve_model
 from hybrid_pd.engine.tp.group import SINGLE
+from hybrid_pd.kvcache.ids import EngineId
 from hybrid_pd.proto import worker_pb2_grpc
 from hybrid_pd.workers.config import ROLES, WorkerConfig
 from hybrid_pd.workers.identity import model_identity
@@ -49,7 +50,7 @@ class Worker:
         """Load the model, open the transport and the server, make the `roles`, build the
         engine with their connector halves and serve. At most one role brings each half."""
         self.config = config
-        self.engine_id = f"{config.role}-{uuid.uuid4().hex[:10]}"
+        self.engine_id = EngineId(f"{config.role}-{uuid.uuid4().hex[:10]}")
         path = resolve_model(config.model)
         self.ranks: RankGroup | None = None
         tp = SINGLE
