@@ -2,8 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What peers compare before they exchange KV: they must serve one model."""
+
+    architecture: str = ""
+    #: Parameters of the whole model (every tensor-parallel rank's share together).
+    parameters: int = 0
+    #: sha256 of the first weights (the embedding), 16 hex digits.
+    weights: str = ""
+
+    def key(self) -> str:
+        """The identity as one string (sorted JSON): the `model` of a worker's KV layout,
+        part of its fingerprint and compared at the handshake."""
+        return json.dumps(
+            {
+                "architecture": self.architecture,
+                "parameters": self.parameters,
+                "weights": self.weights,
+            },
+            sort_keys=True,
+        )
 
 
 @dataclass(frozen=True)
@@ -22,7 +46,7 @@ class ModelCard:
     vocab_size: int | None
     eos_token_ids: tuple[int, ...] = ()
     #: Architecture, parameter count and a weights digest: workers must agree on it.
-    identity: str = ""
+    identity: ModelIdentity = field(default_factory=ModelIdentity)
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybrid_pd.api.card import ModelCard
+from hybrid_pd.api.card import ModelCard, ModelIdentity
 from hybrid_pd.api.sampling import SamplingParams, TokenLogprob
 from hybrid_pd.proto import worker_pb2 as pb
 
@@ -64,7 +64,11 @@ def card_to_pb(card: ModelCard) -> pb.ModelCard:
         max_model_len=card.max_model_len,
         vocab_size=card.vocab_size or 0,
         eos_token_ids=list(card.eos_token_ids),
-        identity=card.identity,
+        identity=pb.ModelIdentity(
+            architecture=card.identity.architecture,
+            parameters=card.identity.parameters,
+            weights=card.identity.weights,
+        ),
     )
 
 
@@ -76,5 +80,9 @@ def card_from_pb(msg: pb.ModelCard) -> ModelCard:
         max_model_len=msg.max_model_len,
         vocab_size=msg.vocab_size or None,
         eos_token_ids=tuple(msg.eos_token_ids),
-        identity=msg.identity,
+        identity=ModelIdentity(
+            architecture=msg.identity.architecture,
+            parameters=msg.identity.parameters,
+            weights=msg.identity.weights,
+        ),
     )

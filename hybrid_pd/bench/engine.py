@@ -9,7 +9,7 @@ import json
 import time
 from typing import Any
 
-from hybrid_pd.kvcache.planner import held_state_rows_arg
+from hybrid_pd.api.sizes import held_state_rows_arg
 
 
 def add_engine_parser(bsub: argparse._SubParsersAction) -> None:

@@ -139,7 +139,7 @@ def planner_table(max_model_len: int = 32768, kv_memory: int = 40 * 2**30) -> li
 
 
 def _cmd_bench_kvcache(args: argparse.Namespace) -> int:
-    from hybrid_pd.kvcache.planner import parse_bytes
+    from hybrid_pd.api.sizes import parse_bytes
 
     result = {
         "allocator": bench_kvcache(

@@ -68,10 +68,10 @@ def bench_serve_peer(
     reps: int = 2,
     progress: bool = True,
 ) -> dict[str, Any]:
+    from hybrid_pd.api.sizes import parse_bytes
     from hybrid_pd.bench.peer import bench_cpus, checkpoint_config, checkpoint_dtype
     from hybrid_pd.bench.vllm_servers import Server
     from hybrid_pd.engine.tiny import resolve_model
-    from hybrid_pd.kvcache.planner import parse_bytes
     from hybrid_pd.proxy.config import ProxyConfig
     from hybrid_pd.proxy.server import ProxyHandle
 

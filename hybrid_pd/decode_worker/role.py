@@ -1,6 +1,6 @@
 """DecodeRole: what a worker adds to its engine to continue requests prefilled elsewhere.
 
-Generate(kv_transfer_params) ──► engine queue (remote_kv: waits for blocks in turn)
+Generate(kv_transfer_params) (service.py) ──► engine queue (remote_kv: waits for blocks)
 scheduler allocates the blocks ──► DecodeConnector.start_load_kv (pull on its threads)
 pull ends ──► loop.wake ──► scheduler: run from prompt + first token, or apply the
                             failure policy (recompute here, or fail the request)
@@ -10,58 +10,58 @@ requests still waiting for blocks ──► heartbeats keep their prefill leases
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.connector.decode import DecodeConnector
-from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.engine.loop import EngineLoop
+from hybrid_pd.kvcache.ids import RequestId
+from hybrid_pd.workers.config import FAILURE_POLICIES
+from hybrid_pd.workers.role import Handler, Role, WorkerParts
+
+if TYPE_CHECKING:
+    from hybrid_pd.workers.worker import Worker
 
 #: While a request waits for blocks, its prefill lease is extended this often.
 HEARTBEAT_S = 5.0
-POLICIES = ("recompute", "fail")
+POLICIES = FAILURE_POLICIES
 
 
-class DecodeRole:
-    def __init__(
-        self,
-        *,
-        engine_id: str,
-        layout: KVLayout,
-        transport,
-        region: Callable[[int, int], object],
-        secret: str | None,
-        timeout_s: float,
-        failure_policy: str,
-        peers: tuple[str, ...] = (),
-        scatter_gather: bool = True,
-        shard_buffers: Callable[[], Sequence] | None = None,
-    ) -> None:
-        if failure_policy not in POLICIES:
+class DecodeRole(Role):
+    def __init__(self, parts: WorkerParts) -> None:
+        config = parts.config
+        if config.failure_policy not in POLICIES:
             raise ValueError(f"failure policy must be one of {POLICIES}")
-        self.failure_policy = failure_policy
+        self.failure_policy = config.failure_policy
         self._loop: EngineLoop | None = None
         self._next_beat = 0.0
         self.connector = DecodeConnector(
-            engine_id=engine_id,
-            layout=layout,
-            transport=transport,
-            region=region,
-            secret=secret,
-            timeout_s=timeout_s,
-            peers=peers,
-            scatter_gather=scatter_gather,
-            shard_buffers=shard_buffers,
+            engine_id=parts.engine_id,
+            layout=parts.layout,
+            transport=parts.transport,
+            region=parts.region,
+            secret=config.secret,
+            timeout_s=config.transfer_timeout_s,
+            peers=tuple(config.peers),
+            scatter_gather=config.kv_scatter_gather,
+            shard_buffers=parts.shard_buffers,
         )
+        self.worker_half = self.connector
 
     def attach(self, loop: EngineLoop) -> None:
         self._loop = loop
         self.connector.notify = loop.wake
         loop.add_hook(self._keep_leases)
 
+    def rpcs(self, worker: Worker) -> dict[str, Handler]:
+        from hybrid_pd.decode_worker.service import DecodeService
+
+        service = DecodeService(worker, self)
+        return {"Generate": service.Generate, "AddPeers": service.AddPeers}
+
     def request_kwargs(
         self, kv: KVTransferParams, prompt_ids: list[int], policy: str = ""
-    ) -> tuple[str, dict]:
+    ) -> tuple[RequestId, dict]:
         """Engine.add_request keywords for a request whose KV waits on a prefill worker
         (`kv` already validated: `KVTransferParams.from_pb`); returns (the prefill-side
         request id, kwargs). Raises ValueError when `kv` or `policy` do not fit."""
@@ -77,7 +77,7 @@ class DecodeRole:
             raise ValueError(f"failure_policy must be one of {POLICIES}")
         first = [] if kv.staged else [kv.first_token]  # staged: the load brings it
         kwargs = {"output_ids": first, "remote_kv": kv, "on_load_failure": policy}
-        return kv.request_id, kwargs
+        return RequestId(kv.request_id), kwargs
 
     def dropped(self, request) -> None:
         """An aborted request whose KV was never pulled: let the prefill worker free it."""

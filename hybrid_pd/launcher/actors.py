@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from hybrid_pd.launcher.console import configure_logging, name_log_prefix
-from hybrid_pd.workers.worker import Worker, WorkerConfig
+from hybrid_pd.roles import build_worker
+from hybrid_pd.workers.config import WorkerConfig
 
 
 class WorkerActor:
@@ -40,7 +41,7 @@ class WorkerActor:
             import ray
 
             config = dataclasses.replace(config, host=ray.util.get_node_ip_address())
-        self.worker = Worker(config)
+        self.worker = build_worker(config)
         from hybrid_pd.engine.heap import freeze_startup_heap
 
         freeze_startup_heap()

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from hybrid_pd import __version__
-from hybrid_pd.kvcache.planner import HELD_STATE_ROWS_HELP, held_state_rows_arg
+from hybrid_pd.api.sizes import HELD_STATE_ROWS_HELP, held_state_rows_arg
 from hybrid_pd.launcher import preflight
 from hybrid_pd.launcher.console import (
     LOG_LEVELS,
@@ -63,8 +63,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from hybrid_pd.api.sizes import parse_bytes
     from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
-    from hybrid_pd.kvcache.planner import PlanOptions, parse_bytes, plan_report
+    from hybrid_pd.kvcache.planner import PlanOptions, plan_report
     from hybrid_pd.kvcache.reference_configs import (
         REFERENCE_CONFIGS,
         reference_config,

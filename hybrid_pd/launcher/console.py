@@ -1,5 +1,6 @@
-"""What an operator sees of `serve`: one logging setup for the launcher, the proxy and the
-worker actors (stderr, one format, one level), and the checks made before anything starts.
+"""What an operator sees of `serve`: Ray's forwarded lines, and the checks made before
+anything starts. The logging set-up itself (stderr, one format, one level) is `api/logs.py`,
+shared with the proxy; its names are re-exported here for the launcher.
 
 Light on purpose (no torch, no Ray): the CLI runs these before it starts anything heavy, and
 every worker actor calls `configure_logging` first thing.
@@ -8,56 +9,29 @@ every worker actor calls `configure_logging` first thing.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import socket
 import sys
 
-#: Levels `--log-level` takes, lowest first.
-LOG_LEVELS = ("debug", "info", "warning", "error")
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+from hybrid_pd.api.logs import (
+    DATE_FORMAT,
+    LOG_FORMAT,
+    LOG_LEVELS,
+    configure_logging,
+    level_of,
+)
 
-
-class _Stderr(logging.StreamHandler):
-    """Writes to whatever `sys.stderr` is at the time of each record (as logging's own
-    last-resort handler does), so a replaced stderr never leaves it writing to a closed file."""
-
-    def __init__(self) -> None:
-        super().__init__()
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value) -> None:  # StreamHandler.__init__ assigns it
-        pass
-
-
-def level_of(name: str) -> int:
-    """`--log-level` name -> logging level; ValueError names the choices."""
-    if name not in LOG_LEVELS:
-        raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {name!r}")
-    return getattr(logging, name.upper())
-
-
-#: Libraries that log every call at info (httpx: each HTTP request `serve` makes itself):
-#: shown at debug only.
-_CHATTY = ("httpx", "httpcore")
-
-
-def configure_logging(level: str) -> None:
-    """The root logger at `level`, writing to stderr in LOG_FORMAT through one handler of
-    ours (added once per process; called again, only the levels change)."""
-    root = logging.getLogger()
-    root.setLevel(level_of(level))
-    for name in _CHATTY:
-        logging.getLogger(name).setLevel(max(level_of(level), logging.WARNING))
-    if not any(isinstance(h, _Stderr) for h in root.handlers):
-        handler = _Stderr()
-        handler.setFormatter(logging.Formatter(LOG_FORMAT, DATE_FORMAT))
-        root.addHandler(handler)
+__all__ = [
+    "DATE_FORMAT",
+    "LOG_FORMAT",
+    "LOG_LEVELS",
+    "PortUnavailable",
+    "check_port",
+    "configure_logging",
+    "forward_ray_logs_plainly",
+    "level_of",
+    "name_log_prefix",
+]
 
 
 def forward_ray_logs_plainly() -> None:

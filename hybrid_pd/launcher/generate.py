@@ -7,7 +7,7 @@ import argparse
 import contextlib
 import json
 
-from hybrid_pd.kvcache.planner import HELD_STATE_ROWS_HELP, held_state_rows_arg
+from hybrid_pd.api.sizes import HELD_STATE_ROWS_HELP, held_state_rows_arg
 from hybrid_pd.launcher import preflight
 
 
@@ -77,20 +77,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             "--prefill-/--decode-tensor-parallel-size need --disaggregated "
             "(one engine takes --tensor-parallel-size)"
         )
-    from hybrid_pd.engine.engine import Engine, EngineConfig
+    from hybrid_pd.engine.engine import Engine
     from hybrid_pd.engine.heap import frozen_heap
     from hybrid_pd.engine.loader import load_model
     from hybrid_pd.engine.malloc import tune_malloc
     from hybrid_pd.engine.threads import set_torch_threads
     from hybrid_pd.engine.tiny import resolve_model
-    from hybrid_pd.kvcache.planner import parse_bytes
+    from hybrid_pd.workers.settings import EngineSettings
 
     size = args.tensor_parallel_size
     set_torch_threads(args.threads, workers_on_this_host=size)
     tune_malloc()
-    engine_config = EngineConfig(
-        kv_memory_bytes=parse_bytes(args.kv_memory), held_state_rows_bytes=args.held_state_rows
-    )
+    engine_config = EngineSettings(
+        kv_memory=args.kv_memory, held_state_rows=args.held_state_rows
+    ).config()
     with tp_ranks(args, size, engine_config) as group:
         model, config, tokenizer = load_model(
             resolve_model(args.model), device=args.device, tp=group

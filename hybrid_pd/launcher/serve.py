@@ -21,33 +21,18 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
+from hybrid_pd.launcher.ray_state import _actor_state, _death_cause, _node_gone, _one_line
 from hybrid_pd.launcher.serve_config import ServeConfig
+from hybrid_pd.launcher.vllm_slots import vllm_slots as _vllm_slots
+
+__all__ = ["Deployment", "Interrupted", "ServeConfig", "wait_ready"]
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = ("127.0.0.1", "localhost")
-
-
-def _one_line(text: object, limit: int = 300) -> str:
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _death_cause(info: Mapping[str, Any]) -> str:
-    """Ray's reason for an actor's death (actor table DeathCause), as one short line."""
-    cause = info.get("DeathCause")
-    try:
-        which = cause.WhichOneof("context")
-        context = getattr(cause, which)
-        text = getattr(context, "error_message", "") or getattr(
-            context, "formatted_exception_string", ""
-        )
-    except Exception:  # no cause recorded, or another shape of it
-        return "no cause recorded"
-    return _one_line(text).rstrip(".") or (which or "no cause recorded").replace("_", " ")
 
 
 class Deployment:
@@ -463,36 +448,6 @@ def _own_signal_handlers() -> dict[int, Callable]:
     return out
 
 
-def _actor_state(actor) -> tuple[str | None, dict[str, Any]]:
-    """The actor's state in Ray's actor table ("ALIVE", "RESTARTING", "DEAD", ...) and its
-    entry; (None, {}) where the table cannot be read (the supervisor then only probes)."""
-    try:
-        from ray._private.state import actors as actor_table
-
-        info = actor_table(actor_id=actor._actor_id.hex())
-    except Exception as e:
-        logger.debug("actor table unavailable: %s", e)
-        return None, {}
-    return (info.get("State"), info) if info else (None, {})
-
-
-def _node_gone(info: Mapping[str, Any]) -> str:
-    """A note that the node the actor last lived on is dead (", its node <ip> is gone"),
-    else ""."""
-    import ray
-
-    node_id = (info.get("Address") or {}).get("NodeID")
-    if not node_id or set(node_id) in ({"f"}, {"0"}):  # none recorded (nil id)
-        return ""
-    try:
-        for node in ray.nodes():
-            if node.get("NodeID") == node_id and not node.get("Alive", True):
-                return f", its node {node.get('NodeManagerAddress', node_id)} is gone"
-    except Exception:
-        pass
-    return ""
-
-
 def wait_ready(url: str, timeout: float = 120.0, abort: threading.Event | None = None) -> None:
     """Block until the proxy's /health answers 200 (or, quietly, until `abort` is set)."""
     import httpx
@@ -508,55 +463,3 @@ def wait_ready(url: str, timeout: float = 120.0, abort: threading.Event | None =
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} not healthy within {timeout:.0f} s")
-
-
-def _vllm_slots(config: ServeConfig, model_path: str) -> dict[tuple[str, int], dict]:
-    """Per worker slot, the VllmWorkerActor arguments besides role and model: the vLLM
-    Python and dtype, the secret, the host to serve on, CPUs of its own (vLLM CPU servers
-    bind their compute threads: servers sharing cores slow each other down by orders of
-    magnitude), and fixed control ports (a restarted prefill actor comes back where its
-    decode peers look). With a fixed host (embedded Ray, or --worker-host) decode slots get
-    their peers here; with "auto" they learn them once the prefill actors are up.
-
-    Embedded Ray: this machine's CPUs are split among the servers. A cluster: each server
-    binds the CPUs of the node it lands on (one vLLM server per node, see docs/vllm.md)."""
-    import json
-    import os
-    from pathlib import Path
-
-    from hybrid_pd.workers.vllm_server import free_port
-
-    dtype = config.dtype
-    if dtype is None:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-        text = cfg.get("text_config") or {}
-        dtype = str(text.get("dtype") or cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
-    embedded = config.address is None
-    common = {
-        "vllm_python": config.resolved_vllm_python(),
-        "dtype": dtype.removeprefix("torch."),
-        "secret": config.secret,
-        "host": config.worker_host or ("127.0.0.1" if embedded else "auto"),
-        "ucx_tls": config.ucx_tls,
-    }
-    order = [("prefill", i) for i in range(config.prefill)]
-    order += [("decode", i) for i in range(config.decode)]
-    cpus = sorted(os.sched_getaffinity(0))
-    share = len(cpus) // len(order)  # 0: fewer CPUs than servers, so none is bound
-    slots: dict[tuple[str, int], dict] = {}
-    for k, (role, i) in enumerate(order):
-        mine = ",".join(map(str, cpus[k * share : (k + 1) * share])) or "nobind"
-        slot = {**common, "cpus": mine if embedded else "node"}
-        if role == "prefill":
-            slot["control_port"] = free_port()
-        slots[(role, i)] = slot
-    if common["host"] != "auto":  # where each prefill actor's connector will listen
-        peers = tuple(
-            f"{common['host']}:{slot['control_port']}"
-            for (role, _), slot in slots.items()
-            if role == "prefill"
-        )
-        for (role, _), slot in slots.items():
-            if role == "decode":
-                slot["peers"] = peers
-    return slots

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hybrid_pd.api.secret import SECRET_ENV, given_secret
-from hybrid_pd.kvcache.planner import held_state_rows_bytes, parse_bytes
+from hybrid_pd.api.sizes import held_state_rows_bytes, parse_bytes
 from hybrid_pd.launcher.console import level_of
 from hybrid_pd.workers import DEFAULT_MAX_QUEUED
 
 if TYPE_CHECKING:
-    from hybrid_pd.workers.worker import WorkerConfig
+    from hybrid_pd.workers.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -215,19 +215,15 @@ class ServeConfig:
         return self.prefill * self.tp_size("prefill") + self.decode * self.tp_size("decode")
 
     def worker_config(self, role: str, model_path: str) -> WorkerConfig:
-        from hybrid_pd.engine.engine import EngineConfig
-        from hybrid_pd.workers.worker import WorkerConfig
+        from hybrid_pd.workers.settings import EngineSettings, worker_config
 
         host = self.worker_host or ("127.0.0.1" if self.address is None else "auto")
-        return WorkerConfig(
-            role=role,
-            model=model_path,
+        return worker_config(
+            role,
+            model_path,
+            EngineSettings(kv_memory=self.kv_memory, held_state_rows=self.held_state_rows),
             host=host,
             device=self.device,
-            engine=EngineConfig(
-                kv_memory_bytes=parse_bytes(self.kv_memory),
-                held_state_rows_bytes=held_state_rows_bytes(self.held_state_rows),
-            ),
             secret=self.secret,
             lease_s=self.lease_s,
             failure_policy=self.failure_policy,

@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hybrid_pd.api.logs import configure_logging
 from hybrid_pd.api.secret import given_secret
-from hybrid_pd.launcher.console import configure_logging
 from hybrid_pd.proxy.config import KV_ROUTING, ProxyConfig
 
 

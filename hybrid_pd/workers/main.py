@@ -1,5 +1,9 @@
 """Run one worker as a process: `python -m hybrid_pd.workers.main --role prefill ...`.
 
+The process shell (flags, logging, signals, the line it prints) lives here; the worker it
+runs is assembled from its roles by `hybrid_pd.roles` (this package imports no role: the
+command line's entry at the bottom reaches the assembly, and nothing else here does).
+
 Prints one JSON line ({"address": ..., "engine_id": ...}) on stdout when serving, then
 serves until SIGTERM/SIGINT or until stdin closes (so a parent that dies takes it along).
 
@@ -15,14 +19,16 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 from hybrid_pd.api.secret import SECRET_ENV, given_secret
-from hybrid_pd.engine.engine import EngineConfig
+from hybrid_pd.api.sizes import HELD_STATE_ROWS_HELP, held_state_rows_arg
 from hybrid_pd.engine.heap import freeze_startup_heap
 from hybrid_pd.engine.malloc import tune_malloc
 from hybrid_pd.engine.threads import set_torch_threads
-from hybrid_pd.kvcache.planner import HELD_STATE_ROWS_HELP, held_state_rows_arg, parse_bytes
-from hybrid_pd.workers.worker import ROLES, Worker, WorkerConfig
+from hybrid_pd.workers.config import ROLES, WorkerConfig
+from hybrid_pd.workers.settings import worker_config_from_args
+from hybrid_pd.workers.worker import Worker
 
 
 def _positive_int(text: str) -> int:
@@ -114,7 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None, build: Callable[[WorkerConfig], Worker]) -> int:
+    """Serve one worker, made by `build` (the roles' assembly) from the flags in `argv`,
+    until SIGTERM / SIGINT (or stdin closes, with --watch-stdin); the exit status."""
     args = parse_args(argv)
     try:
         secret = given_secret(args.secret, args.secret_file)
@@ -128,32 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     set_torch_threads(args.threads, args.workers_on_host)
     tune_malloc()
-    config = WorkerConfig(
-        role=args.role,
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        device=args.device,
-        engine=EngineConfig(
-            kv_memory_bytes=parse_bytes(args.kv_memory),
-            held_state_rows_bytes=args.held_state_rows,
-            block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            reuse_prefix_on_load=args.reuse_prefix_on_load,
-        ),
-        secret=secret,
-        lease_s=args.lease_s,
-        failure_policy=args.failure_policy,
-        transfer_timeout_s=args.transfer_timeout_s,
-        ucx_tls=args.ucx_tls,
-        kv_scatter_gather=args.kv_scatter_gather,
-        peers=tuple(args.peer),
-        max_queued=args.max_queued,
-        tensor_parallel_size=args.tensor_parallel_size,
-        rank_threads=args.threads,
-    )
-    worker = Worker(config)
+    config = worker_config_from_args(args, secret)
+    worker = build(config)
     freeze_startup_heap()
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -170,4 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The command line's entry, kept at this path: the one place under workers/ that
+    # reaches the roles, and only when run as a program.
+    from hybrid_pd.roles import build_worker
+
+    sys.exit(main(None, build_worker))

@@ -1,91 +1,56 @@
-"""A worker: engine loop + role(s) + one gRPC server (Worker and KVControl services).
+"""A worker: model, KV layout, UCX transport, engine loop and one gRPC server, with the
+roles it is given.
 
-    Worker (shared plumbing: model, layout, UCX transport, engine loop, grpc.aio server)
-      ├── PrefillRole (prefill_worker/): prefill half of the connector, KVControl service
-      └── DecodeRole  (decode_worker/):  decode half of the connector, failure policy
+    Worker (this package: the plumbing every role shares)
+      ├── Role from prefill_worker/: the prefill half of the connector, KVControl, Prefill
+      └── Role from decode_worker/:  the decode half, the failure policy, Generate, AddPeers
 
-Role "both" has both halves (aggregated mode). Plain class, testable without Ray; the Ray
-actor (launcher) is a thin shell over it.
+The plumbing imports no role: a role package builds its worker by passing its factory
+(`prefill_worker.build_worker`, `decode_worker.build_worker`; both at once: `hybrid_pd.roles`).
+Plain class, testable without Ray; the Ray actor (launcher) is a thin shell over it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 from hybrid_pd.api.card import ModelCard
 from hybrid_pd.connector.base import KVConnector
 from hybrid_pd.connector.layout import KVLayout
-from hybrid_pd.connector.prefill import DEFAULT_LEASE_S
 from hybrid_pd.connector.segments import PoolRegions
 from hybrid_pd.connector.setup import add_kv_control, open_server, start_transport
-from hybrid_pd.decode_worker import DecodeRole
 from hybrid_pd.engine import cpu_kernels
-from hybrid_pd.engine.engine import Engine, EngineConfig, plan_kv_cache, plan_whole_kv_cache
+from hybrid_pd.engine.engine import Engine, plan_kv_cache, plan_whole_kv_cache
 from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.loop import EngineLoop
 from hybrid_pd.engine.tiny import resolve_model
 from hybrid_pd.engine.tp.group import SINGLE
-from hybrid_pd.kvcache.tp_layout import TP_CONFIG_KEY
-from hybrid_pd.prefill_worker import PrefillRole
+from hybrid_pd.kvcache.ids import EngineId
 from hybrid_pd.proto import worker_pb2_grpc
-from hybrid_pd.workers import DEFAULT_MAX_QUEUED
+from hybrid_pd.workers.config import ROLES, WorkerConfig
+from hybrid_pd.workers.identity import model_identity
+from hybrid_pd.workers.role import Role, WorkerParts
 from hybrid_pd.workers.service import WorkerServicer
 from hybrid_pd.workers.tp_ranks import RankGroup
 
+__all__ = ["ROLES", "RoleFactory", "Worker", "WorkerConfig"]
+
 logger = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode", "both")
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    role: str = "both"
-    model: str = "tiny"
-    host: str = "127.0.0.1"
-    port: int = 0
-    device: str | None = None
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    secret: str | None = None
-    lease_s: float = DEFAULT_LEASE_S
-    failure_policy: str = "recompute"  # or "fail"
-    transfer_timeout_s: float = 30.0
-    request_timeout_s: float = 300.0
-    #: UCX transports (UCX_TLS syntax, e.g. "tcp,self"); None: UCX's choice.
-    ucx_tls: str | None = None
-    #: Decode role: pack a pull's runs of blocks into a few scatter-gather UCX messages.
-    kv_scatter_gather: bool = True
-    max_queued: int = DEFAULT_MAX_QUEUED
-    #: Decode role: prefill workers (control addresses) it may pull from at start; the
-    #: proxy adds the rest (AddPeers).
-    peers: tuple[str, ...] = ()
-    #: Ranks of the worker's engine (one process each on this host; this one is rank 0).
-    tensor_parallel_size: int = 1
-    #: torch threads of each rank > 0 (rank 0: the caller's setting).
-    rank_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.failure_policy not in ("recompute", "fail"):
-            raise ValueError("failure policy must be 'recompute' or 'fail'")
-        if self.lease_s <= 0:
-            raise ValueError("lease must be positive")
-        if self.max_queued < 1:
-            raise ValueError("max_queued must be at least 1")
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be at least 1")
+#: Makes a role once the worker's parts exist (its engine does not yet).
+RoleFactory = Callable[[WorkerParts], Role]
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, roles: Sequence[RoleFactory]) -> None:
+        """Load the model, open the transport and the server, make the `roles`, build the
+        engine with their connector halves and serve. At most one role brings each half."""
         self.config = config
-        self.engine_id = f"{config.role}-{uuid.uuid4().hex[:10]}"
+        self.engine_id = EngineId(f"{config.role}-{uuid.uuid4().hex[:10]}")
         path = resolve_model(config.model)
         self.ranks: RankGroup | None = None
         tp = SINGLE
@@ -108,9 +73,12 @@ class Worker:
             raise
         self.model_name = config.model
         kv_config, _ = plan_kv_cache(model, hf_config, config.engine)
-        identity = _model_identity(hf_config, model)
+        identity = model_identity(hf_config, model)
         self.layout = KVLayout.of(
-            kv_config, identity, plan_whole_kv_cache(model, hf_config, config.engine), tp.size
+            kv_config,
+            identity.key(),
+            plan_whole_kv_cache(model, hf_config, config.engine),
+            tp.size,
         )
         #: Every rank's pool in rank order (rank 0's alone without tensor parallelism).
         self.pools: list = []
@@ -118,36 +86,19 @@ class Worker:
         self.server, self.address = open_server(config.host, config.port, config.secret)
         self.port = self.server.port
 
-        region = PoolRegions(lambda: self.engine.pool.buffer)  # the pool, once it exists
-
-        self.prefill: PrefillRole | None = None
-        self.decode: DecodeRole | None = None
-        if config.role in ("prefill", "both"):
-            self.prefill = PrefillRole(
-                engine_id=self.engine_id,
-                layout=self.layout,
-                control_address=self.address,
-                transport=self.transport,
-                region=region,
-                lease_s=config.lease_s,
-                shard_buffers=lambda: self.pools,
-            )
-        if config.role in ("decode", "both"):
-            self.decode = DecodeRole(
-                engine_id=self.engine_id,
-                layout=self.layout,
-                transport=self.transport,
-                region=region,
-                secret=config.secret,
-                timeout_s=config.transfer_timeout_s,
-                failure_policy=config.failure_policy,
-                peers=tuple(config.peers),
-                scatter_gather=config.kv_scatter_gather,
-                shard_buffers=lambda: self.pools,
-            )
+        parts = WorkerParts(
+            config=config,
+            engine_id=self.engine_id,
+            layout=self.layout,
+            address=self.address,
+            transport=self.transport,
+            region=PoolRegions(lambda: self.engine.pool.buffer),  # the pool, once it exists
+            shard_buffers=lambda: self.pools,
+        )
+        self.roles: list[Role] = [make(parts) for make in roles]
         connector = KVConnector(
-            scheduler=self.prefill.connector if self.prefill else None,
-            worker=self.decode.connector if self.decode else None,
+            scheduler=_one(r.scheduler_half for r in self.roles),
+            worker=_one(r.worker_half for r in self.roles),
         )
         self.engine = Engine(model, hf_config, config.engine, tokenizer, connector, tp=tp)
         own = self.engine.pool.buffer
@@ -162,19 +113,17 @@ class Worker:
             identity=identity,
         )
         self.loop = EngineLoop(self.engine)
-        for role in (self.prefill, self.decode):
-            if role is not None:
-                role.attach(self.loop)
-        add_kv_control(
-            self.server,
-            self.engine_id,
-            self.layout,
-            self.transport,
-            self.prefill.connector if self.prefill else None,
-        )
+        for role in self.roles:
+            role.attach(self.loop)
+            role.mount(self.server)
+        if not any(r.serves_kv_control for r in self.roles):  # the handshake alone
+            add_kv_control(self.server, self.engine_id, self.layout, self.transport, None)
         #: Requests admitted and waiting for their first token (the server's loop only).
         self.queued = 0
-        service = WorkerServicer(self)
+        rpcs: dict = {}
+        for role in self.roles:
+            rpcs.update(role.rpcs(self))
+        service = WorkerServicer(self, rpcs)
         self.server.add(lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(service, s))
         self.started_at = time.time()
         self.server.start()
@@ -194,9 +143,8 @@ class Worker:
             cpu_kernels=cpu_kernels.status(build=False),
             tensor_parallel_size=self.layout.tp_size,
         )
-        for role in (self.prefill, self.decode):
-            if role is not None:
-                out.update(role.stats())
+        for role in self.roles:
+            out.update(role.stats())
         out["transport"] = self.transport.stats()
         return out
 
@@ -205,10 +153,17 @@ class Worker:
         self.loop.stop()
         if self.ranks is not None:
             self.ranks.close(self.engine)
-        for role in (self.prefill, self.decode):
-            if role is not None:
-                role.close()
+        for role in self.roles:
+            role.close()
         self.transport.close()
+
+
+def _one(halves):
+    """The one connector half the roles bring of a kind, or None."""
+    given = [h for h in halves if h is not None]
+    if len(given) > 1:
+        raise ValueError("two roles bring the same half of the connector")
+    return given[0] if given else None
 
 
 def _rank_lost(rank: int, code: int) -> None:
@@ -218,15 +173,3 @@ def _rank_lost(rank: int, code: int) -> None:
     logger.critical("tensor-parallel rank %d exited (code %s): this worker stops", rank, code)
     logging.shutdown()
     os._exit(70)
-
-
-def _model_identity(hf_config: dict, model) -> str:
-    """Architecture, size and a checksum of the first weights: peers must serve one model."""
-    arch = (hf_config.get("architectures") or ["?"])[0]
-    params = list(model.parameters())
-    # the first parameter (the embedding) is whole on every tensor-parallel rank
-    head = params[0].detach().flatten()[:4096].float().cpu().numpy().tobytes()
-    digest = hashlib.sha256(head).hexdigest()[:16]
-    tp = hf_config.get(TP_CONFIG_KEY)
-    n = tp["parameters"] if tp else sum(p.numel() for p in params)
-    return json.dumps({"architecture": arch, "parameters": n, "weights": digest}, sort_keys=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from hybrid_pd import roles
 from hybrid_pd.launcher import cli
 from hybrid_pd.launcher.local import SECRET_ENV, _secret_out_of_argv, start_worker
 from hybrid_pd.launcher.serve_config import ServeConfig, resolve_secret
@@ -146,7 +147,7 @@ def test_worker_main_precedence(secret_file, monkeypatch):
 
 
 def test_worker_main_rejects_a_bad_secret_file(tmp_path, capsys):
-    rc = worker_main.main(["--role", "decode", "--secret-file", str(tmp_path / "absent")])
+    rc = roles.main(["--role", "decode", "--secret-file", str(tmp_path / "absent")])
     assert rc == 2 and "no such file" in capsys.readouterr().err
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from hybrid_pd.launcher.serve import _vllm_slots
 from hybrid_pd.launcher.serve_config import ServeConfig
+from hybrid_pd.launcher.vllm_slots import vllm_slots as _vllm_slots
 
 
 def _slots(tmp_path, **fields):

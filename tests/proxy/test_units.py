@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from hybrid_pd.api.card import ModelCard
+from hybrid_pd.api.card import ModelCard, ModelIdentity
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.api.tokenizer import Tokenizer
@@ -63,7 +63,9 @@ def test_config_defaults_and_validation():
 
 
 def test_model_card_names_and_wire():
-    card = ModelCard("/ckpt/my-model/", "/ckpt/my-model", "X", 4096, 300, (2, 7), "id")
+    card = ModelCard(
+        "/ckpt/my-model/", "/ckpt/my-model", "X", 4096, 300, (2, 7), ModelIdentity("X", 9, "ab")
+    )
     assert card.default_name == "my-model"
     assert ModelCard("tiny", "/c/t", "X", 4096, None).default_name == "tiny"
     assert card_from_pb(card_to_pb(card)) == card

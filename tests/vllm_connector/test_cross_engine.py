@@ -38,13 +38,14 @@ class Cross:
 @pytest.fixture(scope="module")
 def cross(tmp_path_factory):
     from hybrid_pd.engine.engine import EngineConfig
-    from hybrid_pd.workers.worker import Worker, WorkerConfig
+    from hybrid_pd.roles import build_worker
+    from hybrid_pd.workers.config import WorkerConfig
 
     root = tmp_path_factory.mktemp("cross")
     model = checkpoints.gemma3(root / "ckpt")
     secret = secrets.token_urlsafe(24)
     (root / "secret").write_text(secret)
-    ours = Worker(
+    ours = build_worker(
         WorkerConfig(
             role="prefill",
             model=str(model),
@@ -118,11 +119,12 @@ def test_vllm_prefill_to_hybrid_pd_decode_recomputes_and_names_the_reason(cross)
     from hybrid_pd.engine.engine import EngineConfig
     from hybrid_pd.proto import worker_pb2 as pb
     from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
+    from hybrid_pd.roles import build_worker
+    from hybrid_pd.workers.config import WorkerConfig
     from hybrid_pd.workers.vllm_worker import PARAMS_KEY
-    from hybrid_pd.workers.worker import Worker, WorkerConfig
 
     prefill = cross.server
-    ours = Worker(
+    ours = build_worker(
         WorkerConfig(
             role="decode",
             model=str(cross.model),

@@ -1,0 +1,79 @@
+"""Flags -> engine and worker configuration, in one place.
+
+Every caller that turns operator settings (command-line flags, `serve`'s YAML keys) into
+an `EngineConfig` or a `WorkerConfig` goes through here: `hybrid-pd generate`, `serve`
+(`ServeConfig.worker_config`) and the worker process (`python -m hybrid_pd.workers.main`).
+Sizes arrive as an operator writes them ("1GiB", 268435456) and are read by `api.sizes`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from hybrid_pd.api.sizes import held_state_rows_bytes, parse_bytes
+from hybrid_pd.engine.engine import EngineConfig
+from hybrid_pd.workers.config import WorkerConfig
+
+_DEFAULT = EngineConfig()
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """An engine's settings as given (sizes as text or bytes); `config()` reads them."""
+
+    kv_memory: str | int = "256MiB"
+    #: None: the engine's default (a quarter of the KV memory, at most 1 GiB).
+    held_state_rows: str | int | None = None
+    block_size: int | None = None
+    max_num_seqs: int = _DEFAULT.max_num_seqs
+    max_num_batched_tokens: int = _DEFAULT.max_num_batched_tokens
+    reuse_prefix_on_load: bool = _DEFAULT.reuse_prefix_on_load
+
+    def config(self) -> EngineConfig:
+        """The `EngineConfig`; ValueError names a size that cannot be read."""
+        return EngineConfig(
+            kv_memory_bytes=parse_bytes(self.kv_memory),
+            held_state_rows_bytes=held_state_rows_bytes(self.held_state_rows),
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            reuse_prefix_on_load=self.reuse_prefix_on_load,
+        )
+
+
+def worker_config(role: str, model: str, engine: EngineSettings, **worker: Any) -> WorkerConfig:
+    """A `role` worker of `model` with `engine`'s settings; `worker`: the other
+    `WorkerConfig` fields (host, secret, lease_s, failure_policy, ...)."""
+    return WorkerConfig(role=role, model=model, engine=engine.config(), **worker)
+
+
+def worker_config_from_args(args: argparse.Namespace, secret: str | None) -> WorkerConfig:
+    """The worker process's flags (`workers.main.parse_args`) with its secret, as resolved."""
+    engine = EngineSettings(
+        kv_memory=args.kv_memory,
+        held_state_rows=args.held_state_rows,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        reuse_prefix_on_load=args.reuse_prefix_on_load,
+    )
+    return worker_config(
+        args.role,
+        args.model,
+        engine,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        secret=secret,
+        lease_s=args.lease_s,
+        failure_policy=args.failure_policy,
+        transfer_timeout_s=args.transfer_timeout_s,
+        ucx_tls=args.ucx_tls,
+        kv_scatter_gather=args.kv_scatter_gather,
+        peers=tuple(args.peer),
+        max_queued=args.max_queued,
+        tensor_parallel_size=args.tensor_parallel_size,
+        rank_threads=args.threads,
+    )
