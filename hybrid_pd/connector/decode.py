@@ -277,6 +277,8 @@ class DecodeConnector:
         pieces between tensor-parallel groups (`connector.tp_plan.ShardedPlan`)."""
         if self.layout.tp_size == 1 and peer_layout.tp_size == 1:
             return self._plan
+        if self._shard_buffers is None and peer_layout.tp_size == self.layout.tp_size:
+            return self._plan  # rank paired with rank (vLLM's workers: each moves its own)
         if self._shard_buffers is None:
             raise TransferFailed("a tensor-parallel peer needs this worker's pools in rank order")
         return ShardedPlan(peer_layout, self.layout, self._shard_buffers)

@@ -258,8 +258,8 @@ class PrefillConnector(Staging):
     def _plan_for(self, dst_layout: KVLayout | None):
         """The plan for a pull into a decode worker of `dst_layout` (None: one rank there,
         and here unless this worker is tensor-parallel)."""
-        if dst_layout is None and self.layout.tp_size == 1:
-            return self._plan
+        if dst_layout is None and (self.layout.tp_size == 1 or self._shard_buffers is None):
+            return self._plan  # one rank here, or rank paired with rank (vLLM's workers)
         if dst_layout is None:
             raise TransferFailed("a pull from a tensor-parallel worker must give its layout")
         diff = self.layout.difference(dst_layout)

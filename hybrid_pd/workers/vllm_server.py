@@ -121,13 +121,15 @@ class VllmServer:
         max_num_seqs: int = 16,
         kv_cache_bytes: int = 64 << 20,
         max_model_len: int = 1024,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """`role` + `extra`: hybrid-pd's connector; `kv_transfer_config`: any connector.
         `cpus`: VLLM_CPU_OMP_THREADS_BIND, the CPUs this server computes on. `python`: the
         interpreter that has vLLM (default: this one). `single_process`: the model runs in
         the engine-core process (vLLM's `uni` executor, its default for one GPU) instead of
         a worker process of its own (its CPU default); one Python start fewer.
-        `max_num_seqs`, `kv_cache_bytes`, `max_model_len`: vLLM's flags of those names."""
+        `max_num_seqs`, `kv_cache_bytes`, `max_model_len`, `tensor_parallel_size`: vLLM's
+        flags of those names (with TP on the CPU, `cpus` lists each rank's CPUs, "0|1")."""
         self.log = log
         args = [
             python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -139,6 +141,8 @@ class VllmServer:
         ]  # fmt: skip
         if single_process:
             args += ["--distributed-executor-backend", "uni"]
+        if tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(tensor_parallel_size)]
         if role is not None:
             kv_transfer_config = connector_config(role, extra or {})
         if kv_transfer_config is not None:

@@ -57,6 +57,14 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         self.is_producer = bool(tc.is_kv_producer)
         self.is_consumer = bool(tc.is_kv_consumer)
         self.layout = layout_of(vllm_config, kv_cache_config)
+        parallel = vllm_config.parallel_config
+        if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+            raise ValueError("the hybrid-pd connector does not support pipeline parallelism")
+        if self.layout.tp_size > 1 and self.is_producer and not self.options.control_port:
+            raise ValueError(
+                "kv_connector_extra_config: with tensor parallelism a prefill server needs a "
+                "fixed control_port (rank r serves KV control on control_port + r)"
+            )
         self.secret = read_secret(self.options)
         if self.secret is None:
             logger.warning(
@@ -116,11 +124,13 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         plan = VllmPlan(self._kv_cache_config, kv_caches)
         cpus = io_cpus()
+        rank = _tp_rank() if self.layout.tp_size > 1 else 0
         with unpinned(cpus):  # the threads it starts stay off the compute cores
             self._worker = WorkerHalf(
                 engine_id=self.engine_id,
                 layout=self.layout,
-                options=self.options,
+                options=self.options.for_rank(rank),
+                rank=rank,
                 secret=self.secret,
                 is_producer=self.is_producer,
                 is_consumer=self.is_consumer,
@@ -178,3 +188,10 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+
+def _tp_rank() -> int:
+    """This worker process's tensor-parallel rank in its vLLM server."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())

@@ -31,4 +31,7 @@ def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVLayo
         ),
         model=f"{VLLM_PREFIX}{os.path.basename(str(model.model).rstrip('/'))}:"
         f"{','.join(model.hf_config.architectures or [])}",
+        # a rank's caches (vLLM's specs are per rank): servers pair rank to rank, so
+        # their sizes must match (the slot rows that would map others are not described)
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
     )

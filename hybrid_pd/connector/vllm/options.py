@@ -23,6 +23,16 @@ class ConnectorOptions:
     timeout_s: float = 30.0
     scatter_gather: bool = True
 
+    def for_rank(self, rank: int) -> ConnectorOptions:
+        """The options of tensor-parallel rank `rank`'s worker half: it serves KV control on
+        control_port + rank and dials its peers' rank `rank` (their port + rank)."""
+        if rank == 0:
+            return self
+        port = self.control_port + rank if self.control_port else 0
+        return dataclasses.replace(
+            self, control_port=port, peers=tuple(rank_address(p, rank) for p in self.peers)
+        )
+
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> ConnectorOptions:
         extra = dict(extra or {})
@@ -70,6 +80,15 @@ class ConnectorOptions:
                 raise bad("scatter_gather", "true or false")
             out["scatter_gather"] = extra["scatter_gather"]
         return cls(**out)
+
+
+def rank_address(address: str, rank: int) -> str:
+    """Where tensor-parallel rank `rank` of the server whose rank 0 serves KV control at
+    `address` serves it: the next ports, one per rank."""
+    if rank == 0:
+        return address
+    host, _, port = address.rpartition(":")
+    return f"{host}:{int(port) + rank}"
 
 
 def _host_port(address: object) -> bool:

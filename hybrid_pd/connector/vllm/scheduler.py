@@ -224,6 +224,7 @@ class SchedulerHalf:
         }
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
-        for meta in metadata.values():
+        # rank 0's address goes into kv_transfer_params (rank r serves at its port + r)
+        for _, meta in sorted(metadata.items(), key=lambda kv: kv[0] != 0):
             if isinstance(meta, HybridPDHandshake) and self.control_address is None:
                 self.control_address = meta.control_address

@@ -8,6 +8,7 @@ reports finished sends and loads.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -16,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.vllm.metadata import HybridPDMetadata
 from hybrid_pd.connector.vllm.metrics import COUNTERS
-from hybrid_pd.connector.vllm.options import ConnectorOptions
+from hybrid_pd.connector.vllm.options import ConnectorOptions, rank_address
 from hybrid_pd.connector.vllm.pinning import unpinned
 from hybrid_pd.connector.vllm.plan import VllmPlan
 
@@ -37,12 +38,16 @@ class WorkerHalf:
         is_consumer: bool,
         plan: VllmPlan,
         cpus: set[int] | None,
+        rank: int = 0,
     ) -> None:
+        """`rank`: this process's tensor-parallel rank; it moves its own shard with the
+        peer server's rank of the same number (`options` are already this rank's)."""
         from hybrid_pd.connector.decode import DecodeConnector
         from hybrid_pd.connector.prefill import PrefillConnector
         from hybrid_pd.connector.setup import add_kv_control, open_server, start_transport
 
         self._cpus = cpus
+        self.rank = rank
         self._lock = threading.Lock()
         self._sent: set[str] = set()
         self._reported = dict.fromkeys(COUNTERS, 0)
@@ -99,10 +104,18 @@ class WorkerHalf:
         for ld in meta.loads:
             if self.decode is None:
                 raise RuntimeError("a kv_producer was asked to load KV")
-            self.decode.start_load_kv(ld.request_id, ld.params, ld.block_ids)
+            self.decode.start_load_kv(ld.request_id, self._ranked(ld.params), ld.block_ids)
         for p in meta.drops:
+            p = self._ranked(p)
             if self.decode is not None and p.control_address in self.decode.known_peers:
                 self.decode.abort_later(p)
+
+    def _ranked(self, params):
+        """The params as this rank's pull needs them: the prefill server's same rank."""
+        if self.rank == 0:
+            return params
+        address = rank_address(params.control_address, self.rank)
+        return dataclasses.replace(params, control_address=address)
 
     def results(self) -> KVConnectorTransferResults:
         res = KVConnectorTransferResults()
