@@ -10,6 +10,8 @@ import torch
 from hybrid_pd.bench import recipes
 from hybrid_pd.engine.tiny import ensure_tiny, write_byte_tokenizer
 
+#: The recipe sizes of the tests' checkpoints (bench/recipes.py).
+_TINY = dict(vocab=300, hidden=64, max_positions=2048)
 SW_WINDOW = 16
 MAMBA_CHUNK = 16
 
@@ -27,13 +29,7 @@ def granite_hybrid(
 
     torch.manual_seed(0)
     fields = recipes.granite_fields(
-        vocab=300,
-        hidden=64,
-        shared_intermediate=48,
-        n_groups=2,
-        chunk=MAMBA_CHUNK,
-        init=0.2,
-        max_positions=2048,
+        **_TINY, shared_intermediate=48, n_groups=2, chunk=MAMBA_CHUNK, init=0.2
     )
     cfg = transformers.GraniteMoeHybridConfig(**{**fields, **overrides})
     model = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
@@ -49,9 +45,7 @@ def gemma3(
 
     folder = root / name
     torch.manual_seed(0)
-    fields = recipes.gemma3_fields(
-        vocab=300, hidden=64, window=SW_WINDOW, query_scale=24, init=0.05, max_positions=2048
-    )
+    fields = recipes.gemma3_fields(**_TINY, window=SW_WINDOW, query_scale=24, init=0.05)
     cfg = transformers.Gemma3TextConfig(**{**fields, **overrides})
     model = transformers.Gemma3ForCausalLM(cfg).eval()
     recipes.spread_norms(model, 0.0, 2.0)
@@ -232,9 +226,7 @@ def falcon_h1(root: Path, name: str = "falcon_h1", tokenizer_vocab: int | None =
     import transformers
 
     torch.manual_seed(0)
-    fields = recipes.falcon_h1_fields(
-        vocab=300, hidden=64, head_dim=32, chunk=MAMBA_CHUNK, init=0.2, max_positions=2048
-    )
+    fields = recipes.falcon_h1_fields(**_TINY, head_dim=32, chunk=MAMBA_CHUNK, init=0.2)
     fields.update(
         embedding_multiplier=1.5,
         lm_head_multiplier=0.7,
@@ -260,7 +252,7 @@ def jamba(root: Path, name: str = "jamba", tokenizer_vocab: int | None = None, *
     import transformers
 
     torch.manual_seed(0)
-    fields = recipes.jamba_fields(vocab=300, hidden=64, dt_rank=8, init=0.2, max_positions=2048)
+    fields = recipes.jamba_fields(**_TINY, dt_rank=8, init=0.2)
     fields.update(overrides)
     model = transformers.JambaForCausalLM(transformers.JambaConfig(**fields)).eval()
     recipes.spread_states(model, (-1.0, 1.5), (-2.0, 0.5), "dt_proj.bias")
@@ -276,9 +268,7 @@ def gpt_oss(root: Path, name: str = "gpt_oss", tokenizer_vocab: int | None = Non
     import transformers
 
     torch.manual_seed(0)
-    fields = recipes.gpt_oss_fields(
-        vocab=300, hidden=64, window=SW_WINDOW, yarn_from=512, init=0.2, max_positions=2048
-    )
+    fields = recipes.gpt_oss_fields(**_TINY, window=SW_WINDOW, yarn_from=512, init=0.2)
     fields.update(overrides)
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**fields)).eval()
     recipes.spread_biases_and_norms(model, bias_suffix="_bias", sinks=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -55,90 +56,66 @@ def qwen3_5(folder: Path, hidden: int) -> None:
     )
 
 
-def granite(folder: Path, hidden: int) -> None:
+def _sizes(hidden: int, std_at_64: float) -> dict:
+    """The recipe arguments every family takes from the size."""
+    return dict(vocab=VOCAB, hidden=hidden, init=_std(hidden, std_at_64), max_positions=4096)
+
+
+def _hf(folder: Path, config_cls: str, model_cls: str, fields: dict, spread) -> None:
+    """A transformers model of `fields`, its weights spread by `spread`, saved in `folder`."""
     import transformers
 
-    cfg = transformers.GraniteMoeHybridConfig(
-        **recipes.granite_fields(
-            vocab=VOCAB,
-            hidden=hidden,
-            shared_intermediate=hidden,
-            n_groups=1,
-            chunk=MAMBA_CHUNK,
-            init=_std(hidden, 0.2),
-            max_positions=4096,
-        )
-    )
-    model = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
-    recipes.spread_granite_mamba(model)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields)).eval()
+    spread(model)
     _save(model, folder)
+
+
+def granite(folder: Path, hidden: int) -> None:
+    fields = recipes.granite_fields(
+        **_sizes(hidden, 0.2), shared_intermediate=hidden, n_groups=1, chunk=MAMBA_CHUNK
+    )
+    _hf(
+        folder,
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        fields,
+        recipes.spread_granite_mamba,
+    )
 
 
 def gemma3(folder: Path, hidden: int) -> None:
-    import transformers
-
-    cfg = transformers.Gemma3TextConfig(
-        **recipes.gemma3_fields(
-            vocab=VOCAB,
-            hidden=hidden,
-            window=SW_WINDOW,
-            query_scale=hidden // 4,
-            init=_std(hidden, 0.05),
-            max_positions=4096,
-        )
+    fields = recipes.gemma3_fields(
+        **_sizes(hidden, 0.05), window=SW_WINDOW, query_scale=hidden // 4
     )
-    model = transformers.Gemma3ForCausalLM(cfg).eval()
-    recipes.spread_norms(model, 0.0, 2.0)
-    _save(model, folder)
+    _hf(
+        folder,
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        fields,
+        partial(recipes.spread_norms, mean=0.0, std=2.0),
+    )
 
 
 def jamba(folder: Path, hidden: int) -> None:
-    import transformers
-
-    cfg = transformers.JambaConfig(
-        **recipes.jamba_fields(
-            vocab=VOCAB, hidden=hidden, dt_rank=16, init=_std(hidden, 0.2), max_positions=4096
-        )
+    fields = recipes.jamba_fields(**_sizes(hidden, 0.2), dt_rank=16)
+    spread = partial(
+        recipes.spread_states, a_log=(-1.0, 1.5), dt=(-2.0, 0.5), dt_name="dt_proj.bias"
     )
-    model = transformers.JambaForCausalLM(cfg).eval()
-    recipes.spread_states(model, (-1.0, 1.5), (-2.0, 0.5), "dt_proj.bias")
-    _save(model, folder)
+    _hf(folder, "JambaConfig", "JambaForCausalLM", fields, spread)
 
 
 def falcon_h1(folder: Path, hidden: int) -> None:
-    import transformers
-
-    cfg = transformers.FalconH1Config(
-        **recipes.falcon_h1_fields(
-            vocab=VOCAB,
-            hidden=hidden,
-            head_dim=hidden // 4,
-            chunk=MAMBA_CHUNK,
-            init=_std(hidden, 0.2),
-            max_positions=4096,
-        )
+    fields = recipes.falcon_h1_fields(
+        **_sizes(hidden, 0.2), head_dim=hidden // 4, chunk=MAMBA_CHUNK
     )
-    model = transformers.FalconH1ForCausalLM(cfg).eval()
-    recipes.spread_states(model, (-1.0, 1.0), (-1.5, 0.5), "dt_bias")
-    _save(model, folder)
+    spread = partial(recipes.spread_states, a_log=(-1.0, 1.0), dt=(-1.5, 0.5), dt_name="dt_bias")
+    _hf(folder, "FalconH1Config", "FalconH1ForCausalLM", fields, spread)
 
 
 def gpt_oss(folder: Path, hidden: int) -> None:
-    import transformers
-
-    cfg = transformers.GptOssConfig(
-        **recipes.gpt_oss_fields(
-            vocab=VOCAB,
-            hidden=hidden,
-            window=SW_WINDOW,
-            yarn_from=1024,
-            init=_std(hidden, 0.2),
-            max_positions=4096,
-        )
-    )
-    model = transformers.GptOssForCausalLM(cfg).eval()
-    recipes.spread_biases_and_norms(model, bias_suffix="_bias", sinks=True)
-    _save(model, folder)
+    fields = recipes.gpt_oss_fields(**_sizes(hidden, 0.2), window=SW_WINDOW, yarn_from=1024)
+    spread = partial(recipes.spread_biases_and_norms, bias_suffix="_bias", sinks=True)
+    _hf(folder, "GptOssConfig", "GptOssForCausalLM", fields, spread)
 
 
 _BUILDERS: dict[str, Callable[[Path, int], None]] = {

@@ -18,7 +18,26 @@ import torch
 NO_SPECIALS: dict[str, Any] = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
-# -- config fields --------------------------------------------------------------------------
+# -- config fields ---------------------------------------------------------------------------
+#: The Mamba mixers' sizes every recipe uses (Mamba2 adds 8 heads; see _MAMBA2).
+_MAMBA = dict(mamba_d_state=16, mamba_d_conv=4, mamba_expand=2)
+_MAMBA2 = dict(mamba_n_heads=8, **_MAMBA)
+
+
+def _base(vocab: int, hidden: int, layers: int, init: float, max_positions: int) -> dict:
+    """What every recipe shares: 4 query heads over 2 KV heads, no special tokens."""
+    return dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=init,
+        max_position_embeddings=max_positions,
+        **NO_SPECIALS,
+    )
+
+
 def granite_fields(
     *,
     vocab: int,
@@ -32,20 +51,13 @@ def granite_fields(
     """Granite-4.0-H-like (GraniteMoeHybridConfig): Mamba2, attention, Mamba2, Mamba2; MoE of
     4 experts (top 2) of width hidden / 2; muP multipliers away from 1."""
     return dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
+        _base(vocab, hidden, 4, init, max_positions),
         intermediate_size=hidden // 2,
         shared_intermediate_size=shared_intermediate,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         layer_types=["mamba", "attention", "mamba", "mamba"],
         num_local_experts=4,
         num_experts_per_tok=2,
-        mamba_n_heads=8,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
+        **_MAMBA2,
         mamba_n_groups=n_groups,
         mamba_chunk_size=chunk,
         position_embedding_type="rope",
@@ -53,9 +65,6 @@ def granite_fields(
         attention_multiplier=0.12,
         residual_multiplier=0.6,
         logits_scaling=2.5,
-        initializer_range=init,
-        max_position_embeddings=max_positions,
-        **NO_SPECIALS,
     )
 
 
@@ -63,27 +72,15 @@ def gemma3_fields(
     *, vocab: int, hidden: int, window: int, query_scale: int, init: float, max_positions: int
 ) -> dict[str, Any]:
     """Gemma-3-like (Gemma3TextConfig): five layers, sliding, sliding, full, sliding, full;
-    4 query heads of hidden / 4 over 2 KV heads."""
+    4 query heads of hidden / 4 over 2 KV heads; pad id 0, bos id 2, no eos."""
+    sliding, full = "sliding_attention", "full_attention"
     return dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
+        _base(vocab, hidden, 5, init, max_positions),
         intermediate_size=3 * hidden // 2,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=hidden // 4,
-        max_position_embeddings=max_positions,
         sliding_window=window,
-        layer_types=[
-            "sliding_attention",
-            "sliding_attention",
-            "full_attention",
-            "sliding_attention",
-            "full_attention",
-        ],
+        layer_types=[sliding, sliding, full, sliding, full],
         query_pre_attn_scalar=query_scale,
-        initializer_range=init,
-        eos_token_id=None,
         pad_token_id=0,
         bos_token_id=2,
     )
@@ -95,26 +92,17 @@ def jamba_fields(
     """Jamba-like (JambaConfig): five layers, attention at 1 and 4 (period 3, offset 1),
     Mamba1 elsewhere; MoE (4 experts, top 2) at 1 and 3; projection biases."""
     return dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
+        _base(vocab, hidden, 5, init, max_positions),
         intermediate_size=3 * hidden // 4,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         attn_layer_period=3,
         attn_layer_offset=1,
         expert_layer_period=2,
         expert_layer_offset=1,
         num_experts=4,
         num_experts_per_tok=2,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
+        **_MAMBA,
         mamba_dt_rank=dt_rank,
         mamba_proj_bias=True,
-        initializer_range=init,
-        max_position_embeddings=max_positions,
-        **NO_SPECIALS,
     )
 
 
@@ -125,30 +113,20 @@ def falcon_h1_fields(
     beside Mamba2 (8 heads, inner size 3 hidden / 2; B/C in 2 groups), the grouped gated
     RMSNorm after the gate, biases on every projection. muP multipliers stay at 1."""
     return dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
+        _base(vocab, hidden, 3, init, max_positions),
         intermediate_size=3 * hidden // 2,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=head_dim,
         attention_bias=True,
         mlp_bias=True,
         projectors_bias=True,
         mamba_proj_bias=True,
         mamba_d_ssm=3 * hidden // 2,
-        mamba_n_heads=8,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
+        **_MAMBA2,
         mamba_n_groups=2,
         mamba_chunk_size=chunk,
         mamba_rms_norm=True,
         mamba_norm_before_gate=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        initializer_range=init,
-        max_position_embeddings=max_positions,
-        **NO_SPECIALS,
     )
 
 
@@ -158,31 +136,18 @@ def gpt_oss_fields(
     """gpt-oss-like (GptOssConfig): four layers alternating sliding and full attention,
     4 experts (top 2), head_dim hidden / 4, 4 query heads over 2 KV heads, YaRN RoPE (factor
     4 from `yarn_from` positions, not truncated), a SwiGLU limit of 2.0 so the clamps bite."""
+    yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0)
+    yarn.update(beta_slow=1.0, truncate=False, original_max_position_embeddings=yarn_from)
     return dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
+        _base(vocab, hidden, 4, init, max_positions),
         intermediate_size=3 * hidden // 4,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=hidden // 4,
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=window,
         layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": yarn_from,
-        },
+        rope_parameters=yarn,
         swiglu_limit=2.0,
-        initializer_range=init,
-        max_position_embeddings=max_positions,
-        **NO_SPECIALS,
     )
 
 
