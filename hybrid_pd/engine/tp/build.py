@@ -58,7 +58,12 @@ def install_reductions(model: nn.Module, plan: TPPlan, group: TPGroup) -> int:
 
 
 def _shard(
-    name: str, whole: torch.Tensor, target: torch.Tensor, plan: TPPlan, group: TPGroup, kind: str = ""
+    name: str,
+    whole: torch.Tensor,
+    target: torch.Tensor,
+    plan: TPPlan,
+    group: TPGroup,
+    kind: str = "",
 ) -> torch.Tensor:
     """This rank's part of checkpoint tensor `whole` (all of it unless a rule names it);
     ValueError when it does not fit `target`, the rank model's tensor."""
