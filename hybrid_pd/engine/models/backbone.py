@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
@@ -49,3 +50,34 @@ class RopeBackbone(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, batch)
         return self.norm(x)
+
+
+class RopeCausalLM(nn.Module):
+    """A causal LM over a `RopeBackbone`: ``model`` and, unless the embedding is tied,
+    ``lm_head``. `settings` carries vocab, hidden, tie, rope and head_dim; `tables` makes the
+    RoPE tables its layers take."""
+
+    def __init__(
+        self,
+        config: dict,
+        settings,
+        num_layers: int,
+        make_layer: Callable[[int], nn.Module],
+        make_norm: Callable[[], nn.Module],
+        tables: RopeTables,
+    ) -> None:
+        super().__init__()
+        self.settings = s = settings
+        self.config = config
+        self.model = RopeBackbone(
+            s.vocab, s.hidden, num_layers, make_layer, make_norm, s.rope, s.head_dim
+        )
+        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
+        self._tables = tables
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.run(batch, self._tables)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight)

@@ -32,12 +32,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import project_heads
-from hybrid_pd.engine.models.backbone import RopeBackbone
+from hybrid_pd.engine.models.backbone import RopeCausalLM
 from hybrid_pd.engine.models.common import RMSNorm, add_routed, config_int, load_checkpoint
 from hybrid_pd.engine.models.rope import cos_sin, norm_rotate, rope_settings
 from hybrid_pd.engine.onednn import FusedLinears, linear
@@ -185,28 +184,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(RopeCausalLM):
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        self.settings = s = _Settings(config)
-        self.config = config
-        self.model = RopeBackbone(
-            s.vocab,
-            s.hidden,
+        s = _Settings(config)
+        super().__init__(
+            config,
+            s,
             len(s.specs),
             lambda i: DecoderLayer(s, i),
             lambda: RMSNorm(s.hidden, s.eps),
-            s.rope,
-            s.head_dim,
+            cos_sin,
         )
-        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model.run(batch, cos_sin)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -40,12 +40,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import project_heads
-from hybrid_pd.engine.models.backbone import RopeBackbone
+from hybrid_pd.engine.models.backbone import RopeCausalLM
 from hybrid_pd.engine.models.common import (
     GatedMLP,
     RMSNorm,
@@ -285,28 +284,17 @@ def _pair_tables(inv_freq, positions, rope_scale, dtype):
     return rope_pairs(inv_freq, positions, rope_scale)
 
 
-class Llama4ForCausalLM(nn.Module):
+class Llama4ForCausalLM(RopeCausalLM):
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        self.settings = s = _Settings(config)
-        self.config = config
-        self.model = RopeBackbone(
-            s.vocab,
-            s.hidden,
+        s = _Settings(config)
+        super().__init__(
+            config,
+            s,
             len(s.specs),
             lambda i: DecoderLayer(s, i),
             lambda: RMSNorm(s.hidden, s.eps, scale_after_cast=True),
-            s.rope,
-            s.head_dim,
+            _pair_tables,
         )
-        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model.run(batch, _pair_tables)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
