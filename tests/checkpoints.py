@@ -1,4 +1,5 @@
-"""Tiny random checkpoints of the engine architectures, saved in Hugging Face format."""
+"""Tiny random checkpoints of the engine architectures, saved in Hugging Face format (the
+families the benchmarks share come from `hybrid_pd/bench/recipes.py`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ from pathlib import Path
 
 import torch
 
+from hybrid_pd.bench import recipes
 from hybrid_pd.engine.tiny import ensure_tiny, write_byte_tokenizer
 
+#: The recipe sizes of the tests' checkpoints (bench/recipes.py).
+_TINY = dict(vocab=300, hidden=64, max_positions=2048)
 SW_WINDOW = 16
 MAMBA_CHUNK = 16
 
@@ -24,41 +28,12 @@ def granite_hybrid(
     import transformers
 
     torch.manual_seed(0)
-    fields = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=32,
-        shared_intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["mamba", "attention", "mamba", "mamba"],
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        mamba_n_heads=8,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_n_groups=2,
-        mamba_chunk_size=MAMBA_CHUNK,
-        position_embedding_type="rope",
-        embedding_multiplier=2.0,
-        attention_multiplier=0.12,
-        residual_multiplier=0.6,
-        logits_scaling=2.5,
-        initializer_range=0.2,
-        max_position_embeddings=2048,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+    fields = recipes.granite_fields(
+        **_TINY, shared_intermediate=48, n_groups=2, chunk=MAMBA_CHUNK, init=0.2
     )
     cfg = transformers.GraniteMoeHybridConfig(**{**fields, **overrides})
     model = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if layer.mamba is not None:
-                layer.mamba.A_log.uniform_(-1.0, 1.0)
-                layer.mamba.dt_bias.uniform_(-2.0, 0.5)
+    recipes.spread_granite_mamba(model)
     return _save(model, root / name, tokenizer_vocab)
 
 
@@ -70,35 +45,10 @@ def gemma3(
 
     folder = root / name
     torch.manual_seed(0)
-    fields = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        sliding_window=SW_WINDOW,
-        layer_types=[
-            "sliding_attention",
-            "sliding_attention",
-            "full_attention",
-            "sliding_attention",
-            "full_attention",
-        ],
-        query_pre_attn_scalar=24,
-        initializer_range=0.05,
-        eos_token_id=None,
-        pad_token_id=0,
-        bos_token_id=2,
-    )
+    fields = recipes.gemma3_fields(**_TINY, window=SW_WINDOW, query_scale=24, init=0.05)
     cfg = transformers.Gemma3TextConfig(**{**fields, **overrides})
     model = transformers.Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if "norm" in param_name:
-                p.normal_(0.0, 2.0)
+    recipes.spread_norms(model, 0.0, 2.0)
     return _save(model, folder, tokenizer_vocab)
 
 
@@ -113,9 +63,7 @@ _DENSE = dict(
     num_key_value_heads=2,
     max_position_embeddings=2048,
     initializer_range=0.15,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
+    **recipes.NO_SPECIALS,
 )
 
 
@@ -125,12 +73,7 @@ def _dense(config_cls: str, model_cls: str, folder: Path, fields: dict, tokenize
     torch.manual_seed(0)
     cfg = getattr(transformers, config_cls)(**fields)
     model = getattr(transformers, model_cls)(cfg).eval()
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if param_name.endswith("bias"):
-                p.normal_(0.0, 0.3)
-            elif "norm" in param_name:
-                p.normal_(1.0, 0.3)
+    recipes.spread_biases_and_norms(model)
     return _save(model, folder, tokenizer_vocab)
 
 
@@ -208,25 +151,13 @@ _MAMBA2 = dict(
     num_key_value_heads=2,
     initializer_range=0.2,
     max_position_embeddings=2048,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
+    **recipes.NO_SPECIALS,
 )
 
 
 def _spread_mamba2(model) -> None:
+    recipes.spread_states(model, (-1.0, 1.0), (-1.5, 0.5), "dt_bias")
     with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if param_name.endswith("A_log"):
-                p.uniform_(-1.0, 1.0)
-            elif param_name.endswith("dt_bias"):
-                p.uniform_(-1.5, 0.5)
-            elif param_name.endswith(".D"):
-                p.normal_(0.0, 1.0)
-            elif param_name.endswith("bias"):
-                p.normal_(0.0, 0.3)
-            elif "norm" in param_name:
-                p.normal_(1.0, 0.3)
         for buffer_name, b in model.named_buffers():
             if buffer_name.endswith("e_score_correction_bias"):  # Nemotron-H MoE routers
                 b.normal_(0.0, 0.1)
@@ -295,23 +226,8 @@ def falcon_h1(root: Path, name: str = "falcon_h1", tokenizer_vocab: int | None =
     import transformers
 
     torch.manual_seed(0)
-    fields = dict(
-        _MAMBA2,
-        num_hidden_layers=3,
-        head_dim=32,
-        attention_bias=True,
-        mlp_bias=True,
-        projectors_bias=True,
-        mamba_proj_bias=True,
-        mamba_d_ssm=96,
-        mamba_n_heads=8,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_n_groups=2,
-        mamba_chunk_size=MAMBA_CHUNK,
-        mamba_rms_norm=True,
-        mamba_norm_before_gate=False,
+    fields = recipes.falcon_h1_fields(**_TINY, head_dim=32, chunk=MAMBA_CHUNK, init=0.2)
+    fields.update(
         embedding_multiplier=1.5,
         lm_head_multiplier=0.7,
         key_multiplier=0.6,
@@ -321,7 +237,6 @@ def falcon_h1(root: Path, name: str = "falcon_h1", tokenizer_vocab: int | None =
         ssm_out_multiplier=1.2,
         mlp_multipliers=[0.8, 1.1],
         ssm_multipliers=[0.7, 1.2, 0.9, 1.4, 0.6],
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     fields.update(overrides)
     model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**fields)).eval()
@@ -337,36 +252,10 @@ def jamba(root: Path, name: str = "jamba", tokenizer_vocab: int | None = None, *
     import transformers
 
     torch.manual_seed(0)
-    fields = dict(
-        _MAMBA2,
-        intermediate_size=48,
-        num_hidden_layers=5,
-        attn_layer_period=3,
-        attn_layer_offset=1,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_dt_rank=8,
-        mamba_proj_bias=True,
-    )
+    fields = recipes.jamba_fields(**_TINY, dt_rank=8, init=0.2)
     fields.update(overrides)
     model = transformers.JambaForCausalLM(transformers.JambaConfig(**fields)).eval()
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if param_name.endswith("A_log"):
-                p.uniform_(-1.0, 1.5)
-            elif param_name.endswith("dt_proj.bias"):
-                p.uniform_(-2.0, 0.5)
-            elif param_name.endswith(".D"):
-                p.normal_(0.0, 1.0)
-            elif param_name.endswith("bias"):
-                p.normal_(0.0, 0.3)
-            elif "norm" in param_name:
-                p.normal_(1.0, 0.3)
+    recipes.spread_states(model, (-1.0, 1.5), (-2.0, 0.5), "dt_proj.bias")
     return _save(model, root / name, tokenizer_vocab)
 
 
@@ -379,44 +268,10 @@ def gpt_oss(root: Path, name: str = "gpt_oss", tokenizer_vocab: int | None = Non
     import transformers
 
     torch.manual_seed(0)
-    fields = dict(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=SW_WINDOW,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 512,
-        },
-        swiglu_limit=2.0,
-        max_position_embeddings=2048,
-        initializer_range=0.2,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    fields = recipes.gpt_oss_fields(**_TINY, window=SW_WINDOW, yarn_from=512, init=0.2)
     fields.update(overrides)
     model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**fields)).eval()
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if param_name.endswith("sinks"):
-                p.normal_(0.0, 1.0)
-            elif param_name.endswith("_bias"):
-                p.normal_(0.0, 0.3)
-            elif "norm" in param_name:
-                p.normal_(1.0, 0.3)
+    recipes.spread_biases_and_norms(model, bias_suffix="_bias", sinks=True)
     return _save(model, root / name, tokenizer_vocab)
 
 
@@ -458,9 +313,7 @@ def qwen3_next(
         initializer_range=0.2,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **recipes.NO_SPECIALS,
     )
     fields.update(overrides)
     model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**fields)).eval()
@@ -516,16 +369,11 @@ def llama4(root: Path, name: str = "llama4", tokenizer_vocab: int | None = None,
         max_position_embeddings=2048,
         initializer_range=0.2,
         tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
+        **recipes.NO_SPECIALS,
     )
     fields.update(overrides)
     model = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**fields)).eval()
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if "norm" in param_name:
-                p.normal_(1.0, 0.3)
+    recipes.spread_norms(model, 1.0, 0.3)
     return _save(model, root / name, tokenizer_vocab)
 
 

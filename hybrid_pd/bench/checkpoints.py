@@ -3,17 +3,21 @@
 Weights are random from a fixed seed, at a spread large enough that greedy continuations
 differ from token to token (the benchmark checks how many distinct tokens a reference run
 produced). Qwen3.5 comes from the product's own builder (`engine.tiny`); the others are
-built with transformers and saved in Hugging Face format, with the byte-level tokenizer
-of `engine.tiny`. Every size splits over 2 ranks (and 4 where heads allow).
+built with transformers from the shared recipes (`bench/recipes.py`) and saved in Hugging
+Face format, with the byte-level tokenizer of `engine.tiny`. Every size splits over 2 ranks
+(and 4 where heads allow).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
+
+from hybrid_pd.bench import recipes
 
 #: Families `build` knows, in the order `bench tp` runs them.
 FAMILIES = ("qwen3_5", "granite", "gemma3", "jamba", "falcon_h1", "gpt_oss")
@@ -29,7 +33,6 @@ DESCRIPTIONS = {
 VOCAB = 320
 SW_WINDOW = 32
 MAMBA_CHUNK = 32
-_NO_SPECIALS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def _std(hidden: int, at_64: float) -> float:
@@ -53,197 +56,66 @@ def qwen3_5(folder: Path, hidden: int) -> None:
     )
 
 
-def granite(folder: Path, hidden: int) -> None:
+def _sizes(hidden: int, std_at_64: float) -> dict:
+    """The recipe arguments every family takes from the size."""
+    return dict(vocab=VOCAB, hidden=hidden, init=_std(hidden, std_at_64), max_positions=4096)
+
+
+def _hf(folder: Path, config_cls: str, model_cls: str, fields: dict, spread) -> None:
+    """A transformers model of `fields`, its weights spread by `spread`, saved in `folder`."""
     import transformers
 
-    cfg = transformers.GraniteMoeHybridConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=hidden // 2,
-        shared_intermediate_size=hidden,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["mamba", "attention", "mamba", "mamba"],
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        mamba_n_heads=8,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_n_groups=1,
-        mamba_chunk_size=MAMBA_CHUNK,
-        position_embedding_type="rope",
-        embedding_multiplier=2.0,
-        attention_multiplier=0.12,
-        residual_multiplier=0.6,
-        logits_scaling=2.5,
-        initializer_range=_std(hidden, 0.2),
-        max_position_embeddings=4096,
-        **_NO_SPECIALS,
-    )
-    model = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if layer.mamba is not None:
-                layer.mamba.A_log.uniform_(-1.0, 1.0)
-                layer.mamba.dt_bias.uniform_(-2.0, 0.5)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**fields)).eval()
+    spread(model)
     _save(model, folder)
+
+
+def granite(folder: Path, hidden: int) -> None:
+    fields = recipes.granite_fields(
+        **_sizes(hidden, 0.2), shared_intermediate=hidden, n_groups=1, chunk=MAMBA_CHUNK
+    )
+    _hf(
+        folder,
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        fields,
+        recipes.spread_granite_mamba,
+    )
 
 
 def gemma3(folder: Path, hidden: int) -> None:
-    import transformers
-
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden // 2,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        max_position_embeddings=4096,
-        sliding_window=SW_WINDOW,
-        layer_types=[
-            "sliding_attention",
-            "sliding_attention",
-            "full_attention",
-            "sliding_attention",
-            "full_attention",
-        ],
-        query_pre_attn_scalar=hidden // 4,
-        initializer_range=_std(hidden, 0.05),
-        eos_token_id=None,
-        pad_token_id=0,
-        bos_token_id=2,
+    fields = recipes.gemma3_fields(
+        **_sizes(hidden, 0.05), window=SW_WINDOW, query_scale=hidden // 4
     )
-    model = transformers.Gemma3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 2.0)
-    _save(model, folder)
-
-
-def _spread(model, a_log: tuple[float, float], dt: tuple[float, float], dt_name: str) -> None:
-    """Decays spread over heads / channels, a random D, random biases and norm weights."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.uniform_(*a_log)
-            elif name.endswith(dt_name):
-                p.uniform_(*dt)
-            elif name.endswith(".D"):
-                p.normal_(0.0, 1.0)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.3)
-            elif "norm" in name:
-                p.normal_(1.0, 0.3)
+    _hf(
+        folder,
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        fields,
+        partial(recipes.spread_norms, mean=0.0, std=2.0),
+    )
 
 
 def jamba(folder: Path, hidden: int) -> None:
-    import transformers
-
-    cfg = transformers.JambaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden // 4,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_layer_period=3,
-        attn_layer_offset=1,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-        num_experts=4,
-        num_experts_per_tok=2,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_dt_rank=16,
-        mamba_proj_bias=True,
-        initializer_range=_std(hidden, 0.2),
-        max_position_embeddings=4096,
-        **_NO_SPECIALS,
+    fields = recipes.jamba_fields(**_sizes(hidden, 0.2), dt_rank=16)
+    spread = partial(
+        recipes.spread_states, a_log=(-1.0, 1.5), dt=(-2.0, 0.5), dt_name="dt_proj.bias"
     )
-    model = transformers.JambaForCausalLM(cfg).eval()
-    _spread(model, (-1.0, 1.5), (-2.0, 0.5), "dt_proj.bias")
-    _save(model, folder)
+    _hf(folder, "JambaConfig", "JambaForCausalLM", fields, spread)
 
 
 def falcon_h1(folder: Path, hidden: int) -> None:
-    import transformers
-
-    cfg = transformers.FalconH1Config(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden // 2,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        attention_bias=True,
-        mlp_bias=True,
-        projectors_bias=True,
-        mamba_proj_bias=True,
-        mamba_d_ssm=3 * hidden // 2,
-        mamba_n_heads=8,
-        mamba_d_state=16,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_n_groups=2,
-        mamba_chunk_size=MAMBA_CHUNK,
-        mamba_rms_norm=True,
-        mamba_norm_before_gate=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        initializer_range=_std(hidden, 0.2),
-        max_position_embeddings=4096,
-        **_NO_SPECIALS,
+    fields = recipes.falcon_h1_fields(
+        **_sizes(hidden, 0.2), head_dim=hidden // 4, chunk=MAMBA_CHUNK
     )
-    model = transformers.FalconH1ForCausalLM(cfg).eval()
-    _spread(model, (-1.0, 1.0), (-1.5, 0.5), "dt_bias")
-    _save(model, folder)
+    spread = partial(recipes.spread_states, a_log=(-1.0, 1.0), dt=(-1.5, 0.5), dt_name="dt_bias")
+    _hf(folder, "FalconH1Config", "FalconH1ForCausalLM", fields, spread)
 
 
 def gpt_oss(folder: Path, hidden: int) -> None:
-    import transformers
-
-    cfg = transformers.GptOssConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden // 4,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=SW_WINDOW,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 1024,
-        },
-        swiglu_limit=2.0,
-        initializer_range=_std(hidden, 0.2),
-        max_position_embeddings=4096,
-        **_NO_SPECIALS,
-    )
-    model = transformers.GptOssForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("sinks"):
-                p.normal_(0.0, 1.0)
-            elif name.endswith("_bias"):
-                p.normal_(0.0, 0.3)
-            elif "norm" in name:
-                p.normal_(1.0, 0.3)
-    _save(model, folder)
+    fields = recipes.gpt_oss_fields(**_sizes(hidden, 0.2), window=SW_WINDOW, yarn_from=1024)
+    spread = partial(recipes.spread_biases_and_norms, bias_suffix="_bias", sinks=True)
+    _hf(folder, "GptOssConfig", "GptOssForCausalLM", fields, spread)
 
 
 _BUILDERS: dict[str, Callable[[Path, int], None]] = {

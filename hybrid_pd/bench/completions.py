@@ -10,6 +10,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 
@@ -36,6 +37,29 @@ def _prompt(seed: str, n: int, vocab: int | None) -> list[int]:
     return [rng.randrange(lo, hi) for _ in range(n)]
 
 
+class StreamError(Exception):
+    """A completion stream that failed; its message is what a result's "error" holds."""
+
+
+def completion_chunks(client, body: dict) -> Iterator[dict]:
+    """The JSON chunks of one streaming ``/v1/completions`` call (httpx `client`), up to
+    ``[DONE]``; StreamError for an answer other than 200 or an error chunk."""
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise StreamError(f"HTTP {r.status_code}: {r.text[:200]}")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                return
+            obj = json.loads(data)
+            if "error" in obj:
+                raise StreamError(str(obj["error"])[:200])
+            yield obj
+
+
 def _one_request(client, body: dict) -> dict:
     """One streaming completion: TTFT, per-token gaps (from SSE chunk arrival), e2e."""
     t0 = time.perf_counter()
@@ -43,25 +67,15 @@ def _one_request(client, body: dict) -> dict:
     counts: list[int] = []
     ids: list[int] = []
     try:
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    return {"error": str(obj["error"])[:200]}
-                got = [t for c in obj.get("choices") or () for t in c.get("token_ids") or ()]
-                ids += got
-                n = len(got)
-                if n:
-                    times.append(time.perf_counter())
-                    counts.append(n)
+        for obj in completion_chunks(client, body):
+            got = [t for c in obj.get("choices") or () for t in c.get("token_ids") or ()]
+            ids += got
+            n = len(got)
+            if n:
+                times.append(time.perf_counter())
+                counts.append(n)
+    except StreamError as e:
+        return {"error": str(e)}
     except Exception as e:  # a failed request is counted, not raised
         return {"error": f"{type(e).__name__}: {e}"[:200]}
     if not times:

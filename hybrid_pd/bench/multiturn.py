@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.bench.completions import _ms, _progress, _prompt
+from hybrid_pd.bench.completions import StreamError, _ms, _progress, _prompt, completion_chunks
 from hybrid_pd.bench.service import worker_kv_check
 
 #: setup -> (decode-side prefix reuse on, the proxy's kv_routing policy)
@@ -71,25 +71,15 @@ def _chat_turn(client, body: dict) -> dict:
     ids: list[int] = []
     rid = None
     try:
-        with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                r.read()
-                return {"error": f"HTTP {r.status_code}: {r.text[:200]}"}
-            for line in r.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    return {"error": str(obj["error"])[:200]}
-                rid = rid or obj.get("id")
-                for c in obj.get("choices") or ():
-                    new = c.get("token_ids") or ()
-                    if new and ttft is None:
-                        ttft = time.perf_counter() - t0
-                    ids.extend(new)
+        for obj in completion_chunks(client, body):
+            rid = rid or obj.get("id")
+            for c in obj.get("choices") or ():
+                new = c.get("token_ids") or ()
+                if new and ttft is None:
+                    ttft = time.perf_counter() - t0
+                ids.extend(new)
+    except StreamError as e:
+        return {"error": str(e)}
     except Exception as e:  # a failed request is counted, not raised
         return {"error": f"{type(e).__name__}: {e}"[:200]}
     if ttft is None:

@@ -12,24 +12,17 @@ from typing import Any
 import torch
 
 from hybrid_pd.connector.ucx import TransferError, UcxTransport, wire_tags
+from hybrid_pd.connector.ucx.iov import as_buffer
 from hybrid_pd.connector.ucx.ops import consume as _consume
 
 
 def _as_buffer(t: torch.Tensor) -> Any:
-    """A zero-copy object ucxx accepts for the bytes of contiguous tensor `t`: a numpy uint8
-    view for CPU, a uint8 tensor (exposing __cuda_array_interface__) for CUDA. A CUDA tensor's
-    stream is synchronized first: the data must be in memory before UCX reads or writes it."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"regions must be torch tensors, not {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ValueError("regions must be contiguous tensors")
-    flat = t.detach().reshape(-1).view(torch.uint8)
-    if flat.device.type == "cpu":
-        return flat.numpy()
-    if flat.device.type == "cuda":
-        torch.cuda.current_stream(flat.device).synchronize()
-        return flat
-    raise ValueError(f"regions on {flat.device} are not supported (CPU or CUDA only)")
+    """`iov.as_buffer(t)`, a CUDA tensor's stream synchronized first: the data must be in
+    memory before UCX reads or writes it."""
+    buf = as_buffer(t)
+    if t.device.type == "cuda":
+        torch.cuda.current_stream(t.device).synchronize()
+    return buf
 
 
 def raw_bandwidth(

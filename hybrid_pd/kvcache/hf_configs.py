@@ -31,10 +31,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybrid_pd.kvcache.hf_fields import Dtypes, Fields, read_dtypes
 from hybrid_pd.kvcache.specs import (
     ChunkedLocalSpec,
     FullAttentionSpec,
@@ -44,7 +44,6 @@ from hybrid_pd.kvcache.specs import (
     gdn_state_spec,
     mamba1_state_spec,
     mamba2_state_spec,
-    normalize_dtype,
 )
 
 __all__ = [
@@ -54,7 +53,6 @@ __all__ = [
     "load_config",
 ]
 
-_MISSING = object()
 # Old layer-type names that newer transformers releases rewrite on load.
 _LEGACY_LAYER_TYPES = {"attention": "full_attention", "mamba": "linear_attention"}
 _NEMOTRON_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -69,75 +67,6 @@ class UnsupportedArchitectureError(ValueError):
         super().__init__(
             f"unsupported architecture {architecture!r}; supported architectures: {supported}"
         )
-
-
-@dataclass(frozen=True)
-class _Dtypes:
-    kv: str
-    conv: str
-    ssm: str
-
-
-@dataclass(frozen=True)
-class _Fields:
-    """Config values of one architecture; None counts as missing."""
-
-    arch: str
-    values: Mapping[str, Any]
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-
-    def get(self, key: str, default: Any = None) -> Any:
-        value = self.values.get(key)
-        if value is not None:
-            return value
-        return self.defaults.get(key, default)
-
-    def require(self, key: str) -> Any:
-        value = self.get(key, _MISSING)
-        if value is _MISSING:
-            raise ValueError(f"{self.arch}: config is missing required field {key!r}")
-        return value
-
-    def size(self, key: str, *aliases: str) -> int:
-        """Positive int from `key`, else from the first alias present."""
-        for name in (key, *aliases):
-            if self.get(name) is not None:
-                return self._check_size(name, self.get(name))
-        raise ValueError(f"{self.arch}: config is missing required field {key!r}")
-
-    def opt_size(self, key: str) -> int | None:
-        value = self.get(key)
-        return None if value is None else self._check_size(key, value)
-
-    def _check_size(self, key: str, value: Any) -> int:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(
-                f"{self.arch}: field {key!r} must be a positive integer, got {value!r}"
-            )
-        return value
-
-    def num_layers(self) -> int:
-        return self.size("num_hidden_layers")
-
-    def kv_heads(self) -> int:
-        """``num_key_value_heads``, falling back to ``num_attention_heads`` (pre-GQA configs)."""
-        return self.size("num_key_value_heads", "num_attention_heads")
-
-    def head_dim(self, *aliases: str, derive: bool = True) -> int:
-        """Explicit head dim, else ``hidden_size // num_attention_heads`` when `derive`."""
-        for name in ("head_dim", *aliases):
-            if self.get(name) is not None:
-                return self.size(name)
-        if not derive:
-            return self.size("head_dim")
-        hidden, heads = self.size("hidden_size"), self.size("num_attention_heads")
-        if hidden % heads:
-            raise ValueError(
-                f"{self.arch}: hidden_size {hidden} is not a multiple of {heads} heads"
-            )
-        return hidden // heads
 
 
 # --------------------------------------------------------------------------- loading
@@ -172,24 +101,6 @@ def _architecture(config: Mapping[str, Any]) -> str:
     return archs[0]
 
 
-def _dtypes(config: Mapping[str, Any], text: Mapping[str, Any], kv_dtype: str | None) -> _Dtypes:
-    def lookup(*keys: str) -> str | None:
-        for source in (text, config):
-            for key in keys:
-                value = source.get(key)
-                if value is not None and value != "auto":
-                    try:
-                        return normalize_dtype(value)
-                    except ValueError as exc:
-                        raise ValueError(f"config field {key!r}: {exc}") from exc
-        return None
-
-    model = lookup("dtype", "torch_dtype") or "bfloat16"
-    ssm = lookup("mamba_ssm_dtype") or lookup("mamba_ssm_cache_dtype") or model
-    kv = normalize_dtype(kv_dtype) if kv_dtype is not None else model
-    return _Dtypes(kv=kv, conv=model, ssm=ssm)
-
-
 def cache_spec_from_config(
     config: str | os.PathLike[str] | Mapping[str, Any], dtype: str | None = None
 ) -> ModelCacheSpec:
@@ -206,8 +117,8 @@ def cache_spec_from_config(
         raise UnsupportedArchitectureError(arch)
     build, defaults = entry
     text = cfg["text_config"] if isinstance(cfg.get("text_config"), Mapping) else cfg
-    fields = _Fields(arch, text, defaults)
-    per_layer = build(fields, _dtypes(cfg, text, dtype))
+    fields = Fields(arch, text, defaults)
+    per_layer = build(fields, read_dtypes(cfg, text, dtype))
     layers: dict[str, LayerSpec] = {}
     for i, entry in enumerate(per_layer):
         if isinstance(entry, Mapping):
@@ -222,7 +133,7 @@ def cache_spec_from_config(
 # --------------------------------------------------------------------------- helpers
 
 
-def _layer_types(f: _Fields, allowed: set[str], key: str = "layer_types") -> list[str] | None:
+def _layer_types(f: Fields, allowed: set[str], key: str = "layer_types") -> list[str] | None:
     """The config's per-layer type list (legacy names mapped), checked; None when absent."""
     raw = f.get(key)
     if raw is None:
@@ -247,11 +158,11 @@ def _every_nth(n_layers: int, n: int, hit: str, other: str) -> list[str]:
     return [hit if (i + 1) % n == 0 else other for i in range(n_layers)]
 
 
-def _full(f: _Fields, d: _Dtypes, *head_dim_aliases: str, derive: bool = True) -> FullAttentionSpec:
+def _full(f: Fields, d: Dtypes, *head_dim_aliases: str, derive: bool = True) -> FullAttentionSpec:
     return FullAttentionSpec(f.kv_heads(), f.head_dim(*head_dim_aliases, derive=derive), d.kv)
 
 
-def _sliding(f: _Fields, d: _Dtypes, derive: bool = True) -> SlidingWindowSpec:
+def _sliding(f: Fields, d: Dtypes, derive: bool = True) -> SlidingWindowSpec:
     return SlidingWindowSpec(
         f.kv_heads(), f.head_dim(derive=derive), d.kv, window=f.size("sliding_window")
     )
@@ -265,7 +176,7 @@ def _map(
     return [built[kind] for kind in kinds]
 
 
-def _mamba2_head_dim(f: _Fields, n_heads: int) -> int:
+def _mamba2_head_dim(f: Fields, n_heads: int) -> int:
     head_dim = f.get("mamba_d_head", "auto")
     if head_dim != "auto":
         return f.size("mamba_d_head")
@@ -275,7 +186,7 @@ def _mamba2_head_dim(f: _Fields, n_heads: int) -> int:
     return inner // n_heads
 
 
-def _granite_mamba(f: _Fields, d: _Dtypes) -> LayerSpec:
+def _granite_mamba(f: Fields, d: Dtypes) -> LayerSpec:
     heads = f.size("mamba_n_heads")
     return mamba2_state_spec(
         num_heads=heads,
@@ -293,7 +204,7 @@ def _granite_mamba(f: _Fields, d: _Dtypes) -> LayerSpec:
 _Layers = list[LayerSpec | Mapping[str, LayerSpec] | None]
 
 
-def _qwen_gdn(f: _Fields, d: _Dtypes) -> _Layers:
+def _qwen_gdn(f: Fields, d: Dtypes) -> _Layers:
     """Qwen3-Next / Qwen3.5: Gated DeltaNet layers with a full-attention layer every N."""
     kinds = _layer_types(f, {"linear_attention", "full_attention"}) or _every_nth(
         f.num_layers(), f.size("full_attention_interval"), "full_attention", "linear_attention"
@@ -315,7 +226,7 @@ def _qwen_gdn(f: _Fields, d: _Dtypes) -> _Layers:
     )
 
 
-def _sliding_full(f: _Fields, d: _Dtypes) -> _Layers:
+def _sliding_full(f: Fields, d: Dtypes) -> _Layers:
     """Gemma 3 / gpt-oss: sliding-window layers with a full-attention layer every N."""
     kinds = _layer_types(f, {"sliding_attention", "full_attention"}) or _every_nth(
         f.num_layers(), f.size("sliding_window_pattern"), "full_attention", "sliding_attention"
@@ -325,20 +236,20 @@ def _sliding_full(f: _Fields, d: _Dtypes) -> _Layers:
     )
 
 
-def _mamba2_or_attention(f: _Fields, d: _Dtypes, kinds: list[str]) -> _Layers:
+def _mamba2_or_attention(f: Fields, d: Dtypes, kinds: list[str]) -> _Layers:
     return _map(
         kinds,
         {"linear_attention": lambda: _granite_mamba(f, d), "full_attention": lambda: _full(f, d)},
     )
 
 
-def _granite_hybrid(f: _Fields, d: _Dtypes) -> _Layers:
+def _granite_hybrid(f: Fields, d: Dtypes) -> _Layers:
     """Granite-4.0-H: ``layer_types`` of mamba / attention (no list: all Mamba2)."""
     kinds = _layer_types(f, {"linear_attention", "full_attention"})
     return _mamba2_or_attention(f, d, kinds or ["linear_attention"] * f.num_layers())
 
 
-def _bamba(f: _Fields, d: _Dtypes) -> _Layers:
+def _bamba(f: Fields, d: Dtypes) -> _Layers:
     """Bamba: attention at ``attn_layer_indices``, Mamba2 elsewhere."""
     n = f.num_layers()
     indices = f.get("attn_layer_indices") or []
@@ -351,7 +262,7 @@ def _bamba(f: _Fields, d: _Dtypes) -> _Layers:
     return _mamba2_or_attention(f, d, kinds)
 
 
-def _jamba(f: _Fields, d: _Dtypes) -> _Layers:
+def _jamba(f: Fields, d: Dtypes) -> _Layers:
     """Jamba: attention where ``i % attn_layer_period == attn_layer_offset``, Mamba1 elsewhere."""
     period, offset = f.size("attn_layer_period"), f.require("attn_layer_offset")
     if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < period:
@@ -370,7 +281,7 @@ def _jamba(f: _Fields, d: _Dtypes) -> _Layers:
     return _map(kinds, {"mamba1": mamba, "full_attention": lambda: _full(f, d)})
 
 
-def _nemotron_h(f: _Fields, d: _Dtypes) -> _Layers:
+def _nemotron_h(f: Fields, d: Dtypes) -> _Layers:
     """Nemotron-H: ``hybrid_override_pattern`` (or ``layers_block_type``); MLP/MoE own no cache."""
     allowed = set(_NEMOTRON_PATTERN.values())
     kinds = _layer_types(f, allowed, "layers_block_type") or _layer_types(f, allowed)
@@ -406,7 +317,7 @@ def _nemotron_h(f: _Fields, d: _Dtypes) -> _Layers:
     return _map(kinds, makers)
 
 
-def _falcon_h1(f: _Fields, d: _Dtypes) -> _Layers:
+def _falcon_h1(f: Fields, d: Dtypes) -> _Layers:
     """Falcon-H1: every layer runs attention and a Mamba2 mixer side by side, so each layer
     owns a KV slot (``self_attn``) and a state slot (``mamba``). The Mamba inner size is
     ``mamba_d_ssm``, or ``mamba_expand * hidden_size`` when that is null."""
@@ -436,7 +347,7 @@ def _falcon_h1(f: _Fields, d: _Dtypes) -> _Layers:
     return [layer] * f.num_layers()
 
 
-def _llama4(f: _Fields, d: _Dtypes) -> _Layers:
+def _llama4(f: Fields, d: Dtypes) -> _Layers:
     """Llama 4: chunked local attention on RoPE layers, global full attention on NoPE layers."""
     kinds = _layer_types(f, {"chunked_attention", "full_attention"})
     if kinds is None:
@@ -460,21 +371,21 @@ def _llama4(f: _Fields, d: _Dtypes) -> _Layers:
     return _map(kinds, {"chunked_attention": chunked, "full_attention": lambda: _full(f, d)})
 
 
-def _dense(f: _Fields, d: _Dtypes) -> _Layers:
+def _dense(f: Fields, d: Dtypes) -> _Layers:
     """Llama: every layer full attention."""
     return [_full(f, d)] * f.num_layers()
 
 
-def _mistral(f: _Fields, d: _Dtypes) -> _Layers:
+def _mistral(f: Fields, d: Dtypes) -> _Layers:
     """Mistral: sliding window on every layer when ``sliding_window`` is set, full attention
     when it is null; a config without the field gets transformers' default window (4096)."""
     if "sliding_window" not in f.values:
-        f = _Fields(f.arch, {**f.values, "sliding_window": _MISTRAL_WINDOW}, f.defaults)
+        f = Fields(f.arch, {**f.values, "sliding_window": _MISTRAL_WINDOW}, f.defaults)
     spec = _sliding(f, d) if f.get("sliding_window") is not None else _full(f, d)
     return [spec] * f.num_layers()
 
 
-def _qwen_dense(f: _Fields, d: _Dtypes) -> _Layers:
+def _qwen_dense(f: Fields, d: Dtypes) -> _Layers:
     """Qwen2/Qwen3: full attention unless ``use_sliding_window`` (layers >= max_window_layers)."""
     derive = f.arch != "Qwen3ForCausalLM"  # Qwen3's head_dim is not hidden_size / heads
     kinds = _layer_types(f, {"full_attention", "sliding_attention"})
@@ -490,7 +401,7 @@ def _qwen_dense(f: _Fields, d: _Dtypes) -> _Layers:
     return _map(kinds, makers)
 
 
-_Builder = Callable[[_Fields, _Dtypes], _Layers]
+_Builder = Callable[[Fields, Dtypes], _Layers]
 _QWEN_DEFAULTS = {"full_attention_interval": 4}
 # transformers Gemma3TextConfig defaults that the 4B+ multimodal text_config omits.
 _GEMMA3_DEFAULTS = {

@@ -27,32 +27,28 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 
-from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams, TokenLogprob
 from hybrid_pd.api.wire import logprob_from_pb
 from hybrid_pd.proxy import access_log
-from hybrid_pd.proxy.errors import ProxyError, overloaded
-from hybrid_pd.proxy.legs import Leg, Pump, wait_grpc_future
-from hybrid_pd.proxy.metrics import ProxyMetrics
-from hybrid_pd.proxy.routing import (
+from hybrid_pd.proxy.calls import (
     DecodeCall,
-    WorkerPool,
-    WorkerState,
     prepare_decode_request,
-    prepare_prefill_request,
     wants_prefill,
 )
-from hybrid_pd.proxy.worker_client import PrefillResult, prefill_result
+from hybrid_pd.proxy.errors import ProxyError, overloaded
+from hybrid_pd.proxy.legs import BACKOFF_CAP_S, BACKOFF_S, FULL, Leg, Pump
+from hybrid_pd.proxy.metrics import ProxyMetrics
+from hybrid_pd.proxy.prefill_phase import PrefillPhase
+from hybrid_pd.proxy.routing import WorkerPool, WorkerState
+from hybrid_pd.proxy.worker_client import PrefillResult
 
 logger = logging.getLogger(__name__)
-_FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
 #: A decode leg that failed this way lost its worker (or its engine): migrate the stream.
 _LOST = (
     grpc.StatusCode.UNAVAILABLE,
@@ -60,8 +56,6 @@ _LOST = (
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.INTERNAL,
 )
-#: Sleep between looks for a worker with room (doubling up to the cap).
-_BACKOFF_S, _BACKOFF_CAP_S = 0.02, 0.5
 
 
 @dataclass
@@ -96,7 +90,7 @@ class Dispatcher:
         return Job(self, request_id, prompt_ids, params, arrival)
 
 
-class Job:
+class Job(PrefillPhase):
     def __init__(self, d: Dispatcher, rid: str, prompt_ids, params, arrival: float) -> None:
         self.d = d
         self.rid = rid
@@ -158,136 +152,6 @@ class Job:
                 return
         async for event in self._decode(prefill):
             yield event
-
-    # -- prefill ----------------------------------------------------------------------------
-    async def _prefill(self) -> PrefillResult | None:
-        """The prefill's result, or None: run it all on a decode worker (fallback)."""
-        d = self.d
-        deadline = time.monotonic() + d.config.queue_timeout_s
-        tried: list[WorkerState] = []
-        backoff = _BACKOFF_S
-        attempt = 0
-        while True:
-            self._check_open()
-            worker = await asyncio.to_thread(d.pool.pick_prefill, tried, self.prompt_ids)
-            if worker is None:
-                if not d.pool.live("prefill") and self._take_fallback():
-                    d.metrics.failure("prefill_fallback")
-                    return None
-                if time.monotonic() > deadline:
-                    raise overloaded("every prefill worker is busy or down; retry later")
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, _BACKOFF_CAP_S)
-                tried = []
-                continue
-            call = prepare_prefill_request(self.rid, self.prompt_ids, self.params, attempt)
-            attempt += 1
-            await asyncio.to_thread(d.pool.note_tokens, worker, self.prompt_ids)
-            self.prefill_worker = worker.address
-            token = secrets.token_urlsafe(32) if self._may_stage(attempt) else ""
-            future = worker.client.prefill_future(
-                call.request_id,
-                call.prompt_ids,
-                call.sampling,
-                d.config.prefill_timeout_s,
-                transfer_token=token,
-            )
-            leg = self._add_leg(
-                Leg(
-                    d.pool,
-                    worker,
-                    call.request_id,
-                    "prefill",
-                    future,
-                    len(call.prompt_ids),
-                    d.config.control_timeout_s,
-                )
-            )
-            if token:
-                await self._start_staged(worker, call.request_id, token)
-            try:
-                reply = await wait_grpc_future(future)
-            except grpc.FutureCancelledError:  # close() cancelled it
-                self._check_open()
-                raise
-            except grpc.RpcError as e:
-                self._check_open()  # our own cancel (close) is no failure to retry
-                self._drop_staged()  # a retry (or the fallback) runs the ordinary way
-                code = e.code()
-                if code == _FULL:  # alive, queue full: not an error, look again
-                    leg.release()
-                    d.pool.mark_full(worker)
-                    tried.append(worker)
-                    continue
-                leg.abort()  # it may still run there (deadline): drop it
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise ProxyError(400, e.details() or "invalid request") from e
-                logger.warning("prefill on %s failed: %s %s", worker.address, code, e.details())
-                tried.append(worker)
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    d.pool.mark_failed(worker, f"{code.name}: {e.details()}")
-                    d.metrics.failure("prefill_unavailable")
-                else:  # slow or failing, not dead: another worker, else decode
-                    d.metrics.failure("prefill_error")
-                if attempt >= 2 and self._take_fallback():
-                    d.metrics.failure("prefill_fallback")
-                    return None
-                continue
-            if self.closed:  # closed as the prefill answered: drop what it kept
-                leg.kept_after_abort(reply.kv_transfer_params.transfer_token)
-                self._check_open()
-            leg.transfer_token = reply.kv_transfer_params.transfer_token  # "": none kept
-            try:
-                result = prefill_result(reply)
-            except ValueError as e:  # a worker that answers this is broken, not busy
-                self._drop_staged()
-                leg.abort()
-                raise ProxyError(
-                    500, f"prefill worker {worker.address} sent {e}", kind="prefill_error"
-                ) from e
-            leg.release()
-            d.pool.mark_ok(worker)
-            return result
-
-    def _may_stage(self, attempt: int) -> bool:
-        """Overlap this request's hand-over with its prefill: only the first attempt, and
-        only when a decode leg will follow (more than one token) and the prefill alone
-        scores the prompt (prompt logprobs come with its reply)."""
-        p = self.params
-        return (
-            self.d.config.overlap_transfer
-            and attempt == 1
-            and p.max_tokens > 1
-            and p.prompt_logprobs is None
-        )
-
-    async def _start_staged(self, prefill: WorkerState, prefill_rid: str, token: str) -> None:
-        """Start the decode leg beside the prefill, with staged kv_transfer_params; none
-        when no decode worker has room now (the hand-over then waits for the prefill)."""
-        d = self.d
-        worker = await asyncio.to_thread(d.pool.pick_decode, (), self.prompt_ids)
-        if worker is None:
-            return
-        kv = KVTransferParams.for_staging(prefill_rid, self.prompt_ids, prefill.address, token)
-        call = prepare_decode_request(
-            self.rid, self.prompt_ids, self.params, None, d.config.failure_policy
-        )
-        call = dataclasses.replace(call, request_id=f"{self.rid}-ds", kv_transfer_params=kv)
-        leg, pump = await self._open_decode_leg(worker, call, with_kv=True)
-        self.staged = (worker, call, leg, pump)
-
-    def _drop_staged(self) -> None:
-        if self.staged is not None:
-            self.staged[2].abort()
-            self.staged = None
-
-    def _take_fallback(self) -> bool:
-        d = self.d
-        if d.fallbacks >= d.config.max_fallback_prefills:
-            return False
-        d.fallbacks += 1
-        self.fallback = True
-        return True
 
     # -- decode -----------------------------------------------------------------------------
     async def _decode(self, prefill: PrefillResult | None):
@@ -372,7 +236,7 @@ class Job:
         """A live decode worker with room, waiting until `deadline` while all are full or
         down (a restarting worker comes back under a new address)."""
         d = self.d
-        backoff = _BACKOFF_S
+        backoff = BACKOFF_S
         while True:
             worker = await asyncio.to_thread(d.pool.pick_decode, (), self.prompt_ids)
             if worker is not None:
@@ -382,7 +246,7 @@ class Job:
                     raise overloaded("every decode worker is busy; retry later")
                 raise ProxyError(503, self._no_worker(), kind="no_worker")
             await asyncio.sleep(backoff)
-            backoff = min(2 * backoff, _BACKOFF_CAP_S)
+            backoff = min(2 * backoff, BACKOFF_CAP_S)
 
     async def _open_decode_leg(self, worker: WorkerState, call, with_kv: bool):
         """Start a Generate stream on `worker`: (its Leg, the Pump that reads it)."""
@@ -466,7 +330,7 @@ class Job:
             leg.abort()
             return _Migrate(f"{type(e).__name__}: {e}")
         code, details = e.code(), e.details()
-        if code == _FULL and not started:
+        if code == FULL and not started:
             leg.release()
             self.d.pool.mark_full(worker)
             return _Full()

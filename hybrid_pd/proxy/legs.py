@@ -7,10 +7,17 @@ import asyncio
 import logging
 import threading
 
+import grpc
+
 from hybrid_pd.proxy.errors import ProxyError
 from hybrid_pd.proxy.routing import WorkerPool, WorkerState
 
 logger = logging.getLogger(__name__)
+
+#: A worker answered this when its queue was full (alive, not an error: look again).
+FULL = grpc.StatusCode.RESOURCE_EXHAUSTED
+#: Sleep between looks for a worker with room (doubling up to the cap).
+BACKOFF_S, BACKOFF_CAP_S = 0.02, 0.5
 
 
 class Leg:

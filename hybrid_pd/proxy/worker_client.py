@@ -56,12 +56,7 @@ class WorkerClient:
         transfer_token: str = "",
     ) -> PrefillResult:
         reply = self._stub.Prefill(
-            pb.PrefillRequest(
-                request_id=request_id,
-                prompt_ids=prompt_ids,
-                sampling=sampling,
-                transfer_token=transfer_token,
-            ),
+            _prefill_request(request_id, prompt_ids, sampling, transfer_token),
             timeout=timeout_s or self.timeout_s,
             metadata=self._metadata,
         )
@@ -79,12 +74,7 @@ class WorkerClient:
         it); cancelling the future cancels the RPC, which drops the request on the worker.
         `transfer_token`: a decode worker showing it may follow the prefill (overlap)."""
         return self._stub.Prefill.future(
-            pb.PrefillRequest(
-                request_id=request_id,
-                prompt_ids=prompt_ids,
-                sampling=sampling,
-                transfer_token=transfer_token,
-            ),
+            _prefill_request(request_id, prompt_ids, sampling, transfer_token),
             timeout=timeout_s or self.timeout_s,
             metadata=self._metadata,
         )
@@ -202,3 +192,14 @@ def _scalars(msg: Message) -> dict:
         for f in msg.DESCRIPTOR.fields
         if f.type != f.TYPE_MESSAGE and not f.is_repeated
     }
+
+
+def _prefill_request(
+    request_id: str, prompt_ids: list[int], sampling: pb.Sampling, transfer_token: str
+) -> pb.PrefillRequest:
+    return pb.PrefillRequest(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        transfer_token=transfer_token,
+    )

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybrid_pd.engine import cpu_kernels
-from hybrid_pd.engine.models.qwen3_5 import _l2norm, delta_rule_chunked, delta_rule_step
+from hybrid_pd.engine.models.gated_deltanet import _l2norm, delta_rule_chunked, delta_rule_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -221,7 +221,7 @@ def test_a_build_is_cached_and_reused(tmp_path):
 
 
 def test_qwen3_5_prefill_runs_the_kernel_and_matches_the_pytorch_path(monkeypatch):
-    from hybrid_pd.engine.models.qwen3_5 import GatedDeltaNet
+    from hybrid_pd.engine.models.gated_deltanet import GatedDeltaNet
 
     cfg = dict(
         hidden_size=128,
@@ -466,7 +466,7 @@ def test_gated_mlps_take_the_fused_activation(act, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_gate_equals_the_pytorch_norm(dtype, monkeypatch):
-    from hybrid_pd.engine.models.qwen3_5 import GatedRMSNorm
+    from hybrid_pd.engine.models.gated_deltanet import GatedRMSNorm
 
     gen = torch.Generator().manual_seed(4)
     norm = GatedRMSNorm(64, 1e-6).to(dtype)
@@ -530,7 +530,7 @@ def test_rms_norm_equals_pytorchs(offset):
 
 
 def test_l2_norm_equals_the_delta_rules_pytorch_norm():
-    from hybrid_pd.engine.models.qwen3_5 import _l2norm
+    from hybrid_pd.engine.models.gated_deltanet import _l2norm
 
     gen = torch.Generator().manual_seed(10)
     mixed = torch.randn(37, 3 * 4 * 64 + 5, generator=gen)  # q as a view of the conv output

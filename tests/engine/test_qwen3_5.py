@@ -16,13 +16,12 @@ from transformers import (
 from transformers import Qwen3_5ForCausalLM as HFQwen3_5ForCausalLM
 from transformers import Qwen3_5MoeForCausalLM as HFQwen3_5MoeForCausalLM
 
-from hybrid_pd.engine.models.qwen3_5 import (
-    Qwen3_5ForCausalLM,
+from hybrid_pd.engine.models.gated_deltanet import (
     delta_rule_chunked,
     delta_rule_rows,
     delta_rule_step,
-    tiny_qwen3_5_config,
 )
+from hybrid_pd.engine.models.qwen3_5 import Qwen3_5ForCausalLM, tiny_qwen3_5_config
 from tests.engine.harness import PagedRunner
 
 VOCAB = 256
@@ -131,7 +130,7 @@ def test_a_prompts_convolution_and_its_decode_steps_give_the_same_bits(dtype):
     """On the CPU the delta rule's causal conv + SiLU runs in float32 in C in a prompt
     (`conv_silu`) and in a decode step (`conv_step_silu`), in every dtype: a token's output
     and the state it leaves are the same bits however its tokens came."""
-    from hybrid_pd.engine.models.qwen3_5 import GatedDeltaNet
+    from hybrid_pd.engine.models.gated_deltanet import GatedDeltaNet
 
     gen = torch.Generator().manual_seed(3)
     layer = GatedDeltaNet({**SMALL, "linear_conv_kernel_dim": 4}, "model.layers.0").to(dtype)

@@ -14,16 +14,16 @@ from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.api.tokenizer import Tokenizer
 from hybrid_pd.api.wire import card_from_pb, card_to_pb
 from hybrid_pd.proto import worker_pb2 as pb
-from hybrid_pd.proxy.config import ProxyConfig
-from hybrid_pd.proxy.detok import TextStream
-from hybrid_pd.proxy.errors import ProxyError
-from hybrid_pd.proxy.protocol import ModelContext, parse_chat, parse_completion
-from hybrid_pd.proxy.routing import (
-    WorkerPool,
+from hybrid_pd.proxy.calls import (
     prepare_decode_request,
     prepare_prefill_request,
     wants_prefill,
 )
+from hybrid_pd.proxy.config import ProxyConfig
+from hybrid_pd.proxy.detok import TextStream
+from hybrid_pd.proxy.errors import ProxyError
+from hybrid_pd.proxy.protocol import ModelContext, parse_chat, parse_completion
+from hybrid_pd.proxy.routing import WorkerPool
 from hybrid_pd.proxy.worker_client import PrefillResult, prefill_result, stats_from_pb
 from hybrid_pd.workers.service import stats_to_pb
 

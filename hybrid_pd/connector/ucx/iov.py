@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 
-def _as_buffer(t: torch.Tensor) -> Any:
+def as_buffer(t: torch.Tensor) -> Any:
     """A zero-copy object ucxx accepts for the bytes of contiguous tensor `t`: a numpy uint8
     view for CPU, a uint8 tensor (exposing __cuda_array_interface__) for CUDA."""
     if not isinstance(t, torch.Tensor):
@@ -31,7 +31,7 @@ def _as_buffer(t: torch.Tensor) -> Any:
 
 
 def prepare(regions: list[torch.Tensor]) -> tuple[list[Any], list[int]]:
-    bufs = [_as_buffer(r) for r in regions]
+    bufs = [as_buffer(r) for r in regions]
     sizes = [r.numel() * r.element_size() for r in regions]
     _sync(regions)
     return bufs, sizes

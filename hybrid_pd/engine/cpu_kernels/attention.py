@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_pd.engine.cpu_kernels.common import ptr, split_threads
+from hybrid_pd.engine.cpu_kernels.common import check_code, ptr, split_threads
 from hybrid_pd.engine.cpu_kernels.loader import kernel_threads, library, threads_match
 
 
@@ -79,8 +79,7 @@ def decode_attention(
         ptr(sinks), out.data_ptr(), seqs,
         min(kernel_threads(), seqs),
     )  # fmt: skip
-    if code:
-        raise RuntimeError(f"decode_attention refused its arguments (code {code})")
+    check_code("decode_attention", code)
     return out
 
 
@@ -137,6 +136,5 @@ def prompt_attention(
         ptr(sinks), out.data_ptr(),
         split_threads(units, n * keys * hq * d),
     )  # fmt: skip
-    if code:
-        raise RuntimeError(f"prompt_attention refused its arguments (code {code})")
+    check_code("prompt_attention", code)
     return out

@@ -1,5 +1,5 @@
-"""What the family modules share: how many threads a call splits over, and the checks and
-pointers of optional arguments."""
+"""What the family modules share: how many threads a call splits over, the checks and
+pointers of optional arguments, and the check of a kernel's return code."""
 
 from __future__ import annotations
 
@@ -35,3 +35,9 @@ def ptr(t: torch.Tensor | None) -> int | None:
 
 def is_f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def check_code(kernel: str, code: int) -> None:
+    """RuntimeError when `kernel` returned a non-zero code: it refused its arguments."""
+    if code:
+        raise RuntimeError(f"{kernel} refused its arguments (code {code})")

@@ -7,7 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_pd.engine.cpu_kernels.common import ROWS_SPLIT_MIN, ptr, split_threads, vector_or_none
+from hybrid_pd.engine.cpu_kernels.common import (
+    ROWS_SPLIT_MIN,
+    check_code,
+    ptr,
+    split_threads,
+    vector_or_none,
+)
 from hybrid_pd.engine.cpu_kernels.loader import library
 
 
@@ -59,8 +65,7 @@ def norm_gate(
         weight.data_ptr(), eps, out.data_ptr(),
         split_threads(tokens, tokens * heads * dim, ROWS_SPLIT_MIN),
     )  # fmt: skip
-    if code:
-        raise RuntimeError(f"norm_gate refused its arguments (code {code})")
+    check_code("norm_gate", code)
     return out
 
 

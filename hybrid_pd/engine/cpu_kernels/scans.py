@@ -12,12 +12,26 @@ import torch
 
 from hybrid_pd.engine.cpu_kernels.common import (
     ROWS_SPLIT_MIN,
+    check_code,
     is_f32,
     ptr,
     split_threads,
     vector_or_none,
 )
 from hybrid_pd.engine.cpu_kernels.loader import library
+
+
+def _gdn_operands(q, k, v, g, beta, state) -> bool:
+    """Whether the gated delta rule's operands fit the C kernels: float32 on the CPU, q/k
+    [R, Hk, dk] alike, v [R, Hv, dv] with Hk dividing Hv and dv at most 1024, g/beta [R, Hv]
+    with the same strides (R: tokens or sequences). The state's shape is the caller's."""
+    if not all(is_f32(t) for t in (q, k, v, g, beta, state)):
+        return False
+    rows, hk = q.shape[0], q.shape[1]
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != rows or g.shape != (rows, hv):
+        return False
+    return beta.shape == g.shape and beta.stride() == g.stride() and hv % hk == 0 and dv <= 1024
 
 
 def gdn_recurrent(
@@ -33,13 +47,11 @@ def gdn_recurrent(
     [n, Hv, dv], g/beta [n, Hv], all float32 on the CPU, any strides (g and beta the same).
     `state` [Hv, dk, dv] float32, contiguous, is updated in place. Returns o [n, Hv, dv].
     The same sums as `delta_rule_step` token after token (fused multiply-adds aside)."""
-    if not all(is_f32(t) for t in (q, k, v, g, beta, state)) or not state.is_contiguous():
+    if not _gdn_operands(q, k, v, g, beta, state) or not state.is_contiguous():
         return None
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != n or g.shape != (n, hv) or beta.shape != g.shape:
-        return None
-    if beta.stride() != g.stride() or state.shape != (hv, dk, dv) or hv % hk or dv > 1024:
+    if state.shape != (hv, dk, dv):
         return None
     lib = library()
     if lib is None:
@@ -52,8 +64,7 @@ def gdn_recurrent(
         g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), out.data_ptr(),
         split_threads(hv, n * dk * dv * hv),
     )  # fmt: skip
-    if code:
-        raise RuntimeError(f"gdn_recurrent refused its arguments (code {code})")
+    check_code("gdn_recurrent", code)
     return out
 
 
@@ -70,14 +81,10 @@ def gdn_step(
     strides), float32 on the CPU; `state` [S, Hv, dk, dv], each sequence's block contiguous
     (sequences may lie apart, as gathered rows do), updated in place. Returns o [S, Hv, dv]:
     `gdn_recurrent`'s arithmetic for one token, so the same bits as in a prompt."""
-    if not all(is_f32(t) for t in (q, k, v, g, beta, state)):
+    if not _gdn_operands(q, k, v, g, beta, state):
         return None
     seqs, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != seqs or g.shape != (seqs, hv):
-        return None
-    if beta.shape != g.shape or beta.stride() != g.stride() or hv % hk or dv > 1024:
-        return None
     if state.shape != (seqs, hv, dk, dv) or state.stride()[1:] != (dk * dv, dv, 1):
         return None
     lib = library()
@@ -90,8 +97,7 @@ def gdn_step(
         g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), state.stride(0),
         out.data_ptr(), split_threads(seqs, seqs * hv * dk * dv),
     )  # fmt: skip
-    if code:
-        raise RuntimeError(f"gdn_step refused its arguments (code {code})")
+    check_code("gdn_step", code)
     return out
 
 
@@ -139,8 +145,7 @@ def ssd_step(
         dt.data_ptr(), *dt.stride(), a_coef.data_ptr(), b.data_ptr(), c.data_ptr(),
         *b.stride()[:2], y.data_ptr(), split_threads(seqs, seqs * heads * hd * ns),
     )  # fmt: skip
-    if code:
-        raise RuntimeError(f"ssd_step refused its arguments (code {code})")
+    check_code("ssd_step", code)
     return y
 
 
@@ -178,8 +183,7 @@ def ssd_scan(
         a_coef.data_ptr(), b.data_ptr(), c.data_ptr(), *b.stride()[:2], y.data_ptr(),
         split_threads(heads, total * heads * hd * ns),
     )  # fmt: skip
-    if code:
-        raise RuntimeError(f"ssd_scan refused its arguments (code {code})")
+    check_code("ssd_scan", code)
     return y
 
 

@@ -17,6 +17,19 @@ from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.specs import AttentionSpec
 
 
+def project_heads(
+    qkv: FusedLinears, x: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, num_heads, head_dim] and k, v [T, num_kv_heads, head_dim] of x [T, hidden]."""
+    t = x.shape[0]
+    q, k, v = qkv(x)
+    return (
+        q.view(t, num_heads, head_dim),
+        k.view(t, num_kv_heads, head_dim),
+        v.view(t, num_kv_heads, head_dim),
+    )
+
+
 class PagedSelfAttention(nn.Module):
     """Checkpoint names: q_proj, k_proj, v_proj, o_proj. `spec` is the layer's cache spec:
     the KV heads and head dim come from it, so attention reads what the cache keeps."""
@@ -64,10 +77,7 @@ class PagedSelfAttention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden]; `cos_sin` [T, 1, rotary_dim] each when the layer rotates."""
         t = x.shape[0]
-        q, k, v = self._qkv(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project_heads(self._qkv, x, self.num_heads, self.num_kv_heads, self.head_dim)
         if self.key_multiplier != 1.0:
             k = k * self.key_multiplier
         if self.rotary_dim:

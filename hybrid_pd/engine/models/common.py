@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -236,3 +236,27 @@ def config_int(arch: str, key: str, value: Any, low: int = 1) -> int:
         what = "a positive integer" if low == 1 else f"an integer >= {low}"
         raise ValueError(f"{arch}: config field {key!r} must be {what}, got {value!r}")
     return value
+
+
+class DecoderSettings:
+    """Base of a model's settings: the fields every decoder config has."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    eps: float
+    act: str
+    tie: bool
+
+    def read_decoder(self, arch: str, c: Mapping[str, Any], *, vocab: int, eps: float) -> None:
+        """Read them from config `c` with `arch`'s defaults (`vocab`, `eps`; hidden 4096,
+        intermediate 14336, 32 heads, silu, untied); ValueError for a size that is not a
+        positive integer."""
+        self.vocab = config_int(arch, "vocab_size", c.get("vocab_size", vocab))
+        self.hidden = config_int(arch, "hidden_size", c.get("hidden_size", 4096))
+        self.intermediate = config_int(arch, "intermediate_size", c.get("intermediate_size", 14336))
+        self.num_heads = config_int(arch, "num_attention_heads", c.get("num_attention_heads", 32))
+        self.eps = float(c.get("rms_norm_eps") or eps)
+        self.act = c.get("hidden_act") or "silu"
+        self.tie = bool(c.get("tie_word_embeddings") or False)

@@ -39,7 +39,13 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
-from hybrid_pd.engine.models.common import RMSNorm, activation, config_int, load_checkpoint
+from hybrid_pd.engine.models.common import (
+    DecoderSettings,
+    RMSNorm,
+    activation,
+    config_int,
+    load_checkpoint,
+)
 from hybrid_pd.engine.models.mamba2 import (
     Mamba2Dims,
     Mamba2Mixer,
@@ -73,19 +79,13 @@ def _mults(c: Mapping[str, Any], key: str, n: int) -> list[float]:
     return [as_float(v) for v in value]
 
 
-class _Settings:
+class _Settings(DecoderSettings):
     """A Falcon-H1 config dict, validated, with FalconH1Config's defaults."""
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         c = config.get("text_config") or config
-        self.vocab = _int(c, "vocab_size", 128000)
-        self.hidden = _int(c, "hidden_size", 4096)
-        self.intermediate = _int(c, "intermediate_size", 14336)
-        self.num_heads = _int(c, "num_attention_heads", 32)
+        self.read_decoder(_ARCH, c, vocab=128000, eps=1e-5)
         self.num_layers = _int(c, "num_hidden_layers", 32)
-        self.eps = float(c.get("rms_norm_eps") or 1e-5)
-        self.act = c.get("hidden_act") or "silu"
-        self.tie = bool(c.get("tie_word_embeddings") or False)
         self.attn_bias = bool(c.get("attention_bias") or False)
         self.mlp_bias = bool(c.get("mlp_bias") or False)
         self.out_bias = bool(c.get("projectors_bias") or False)

@@ -27,6 +27,7 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
 from hybrid_pd.engine.models.common import (
+    DecoderSettings,
     GatedMLP,
     RMSNorm,
     add_routed,
@@ -44,18 +45,12 @@ def _int(c: Mapping[str, Any], key: str, default: int | None = None, low: int = 
     return config_int(_ARCH, key, c.get(key, default), low)
 
 
-class _Settings:
+class _Settings(DecoderSettings):
     """A Jamba config dict, validated, with JambaConfig's defaults."""
 
     def __init__(self, config: Mapping[str, Any]) -> None:
         c = config.get("text_config") or config
-        self.vocab = _int(c, "vocab_size", 65536)
-        self.hidden = _int(c, "hidden_size", 4096)
-        self.intermediate = _int(c, "intermediate_size", 14336)
-        self.num_heads = _int(c, "num_attention_heads", 32)
-        self.eps = float(c.get("rms_norm_eps") or 1e-6)
-        self.act = c.get("hidden_act") or "silu"
-        self.tie = bool(c.get("tie_word_embeddings") or False)
+        self.read_decoder(_ARCH, c, vocab=65536, eps=1e-6)
         specs = cache_spec_from_config(dict(config), dtype="float32").layers
         n = _int(c, "num_hidden_layers", 32)
         self.specs: list[LayerSpec] = [specs[f"model.layers.{i}"] for i in range(n)]

@@ -29,8 +29,10 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.attention import project_heads
+from hybrid_pd.engine.models.backbone import RopeBackbone
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, load_checkpoint
-from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, norm_rotate, rope_settings
+from hybrid_pd.engine.models.rope import cos_sin, norm_rotate, rope_settings
 from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear
 from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -135,10 +137,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self._qkv(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project_heads(self._qkv, x, self.num_heads, self.num_kv_heads, self.head_dim)
         q, k = norm_rotate(q, cos, sin, self.q_norm), norm_rotate(k, cos, sin, self.k_norm)
         out = paged_attention(self.layer_name, q, k, v, batch, scale=self.scale, window=self.window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -157,17 +156,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DenseModel(nn.Module):
-    def __init__(self, s: _Settings) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList([DecoderLayer(s, i) for i in range(len(s.layers))])
-        self.norm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        # A plain attribute, not a buffer: the loader's model.to(dtype) must not round the
-        # frequencies to bfloat16 (transformers keeps them in float32 too).
-        self.inv_freq, self.rope_scale = inverse_frequencies(s.rope, s.head_dim)
-
-
 class DenseForCausalLM(nn.Module):
     """Any of the four architectures in `FAMILIES` (picked by ``architectures[0]``)."""
 
@@ -176,18 +164,20 @@ class DenseForCausalLM(nn.Module):
         s = _Settings(config)
         self.config = config
         self.family = s.family
-        self.model = DenseModel(s)
+        self.model = RopeBackbone(
+            s.vocab,
+            s.hidden,
+            len(s.layers),
+            lambda i: DecoderLayer(s, i),
+            lambda: RMSNorm(s.hidden, s.eps, scale_after_cast=True),
+            s.rope,
+            s.head_dim,
+        )
         self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
         self._packs = PackedWeights()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        embed = self.model.embed_tokens
-        x = embed(batch.input_ids.to(embed.weight.device))
-        positions = batch.positions.to(x.device)
-        cos, sin = cos_sin(self.model.inv_freq, positions, self.model.rope_scale, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, batch)
-        return self.model.norm(x)
+        return self.model.run(batch, cos_sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding, through its own packed copy

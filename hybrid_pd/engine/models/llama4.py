@@ -40,10 +40,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.attention import project_heads
+from hybrid_pd.engine.models.backbone import RopeCausalLM
 from hybrid_pd.engine.models.common import (
     GatedMLP,
     RMSNorm,
@@ -52,7 +53,7 @@ from hybrid_pd.engine.models.common import (
     config_int,
     load_checkpoint,
 )
-from hybrid_pd.engine.models.rope import inverse_frequencies, rope_settings
+from hybrid_pd.engine.models.rope import rope_settings
 from hybrid_pd.engine.onednn import FusedLinears, linear
 from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -211,10 +212,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self._qkv(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project_heads(self._qkv, x, self.num_heads, self.num_kv_heads, self.head_dim)
         if self.use_rope:
             q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         if self.qk_norm_eps is not None:
@@ -281,36 +279,22 @@ class DecoderLayer(nn.Module):
         return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
-class _Backbone(nn.Module):
-    def __init__(self, s: _Settings) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(len(s.specs)))
-        self.norm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        # A plain attribute, not a buffer: model.to(dtype) must not round the frequencies.
-        self.inv_freq, self.rope_scale = inverse_frequencies(s.rope, s.head_dim)
+def _pair_tables(inv_freq, positions, rope_scale, dtype):
+    """`rope_pairs` as the backbone's tables (kept in float32 whatever the model dtype)."""
+    return rope_pairs(inv_freq, positions, rope_scale)
 
 
-class Llama4ForCausalLM(nn.Module):
+class Llama4ForCausalLM(RopeCausalLM):
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        self.settings = s = _Settings(config)
-        self.config = config
-        self.model = _Backbone(s)
-        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        embed = self.model.embed_tokens
-        x = embed(batch.input_ids.to(embed.weight.device))
-        positions = batch.positions.to(x.device)
-        cos, sin = rope_pairs(self.model.inv_freq, positions, self.model.rope_scale)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, batch)
-        return self.model.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight)
+        s = _Settings(config)
+        super().__init__(
+            config,
+            s,
+            len(s.specs),
+            lambda i: DecoderLayer(s, i),
+            lambda: RMSNorm(s.hidden, s.eps, scale_after_cast=True),
+            _pair_tables,
+        )
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -23,15 +23,7 @@ def shard_model(full: nn.Module, rank_model: nn.Module, plan: TPPlan, group: TPG
     for name, param in rank_model.named_parameters(remove_duplicate=False):
         if name not in source:
             raise ValueError(f"tensor parallelism: {name} has no counterpart in the checkpoint")
-        rule = plan.params.rule_for(name)
-        whole = source[name]
-        part = whole if rule is None else shard_tensor(whole, rule, group.size, group.rank)
-        if tuple(part.shape) != tuple(param.shape):
-            raise ValueError(
-                f"tensor parallelism: {name}'s shard has shape {tuple(part.shape)}, the rank "
-                f"model expects {tuple(param.shape)}"
-            )
-        param.copy_(part)
+        param.copy_(_shard(name, source[name], param, plan, group))
     copy_buffers(full, rank_model, plan, group)
     install_reductions(rank_model, plan, group)
     if plan.patch is not None:
@@ -47,15 +39,7 @@ def copy_buffers(full: nn.Module, rank_model: nn.Module, plan: TPPlan, group: TP
     for name, buf in rank_model.state_dict(keep_vars=True).items():
         if name in params:
             continue
-        rule = plan.params.rule_for(name)
-        whole = source[name]
-        part = whole if rule is None else shard_tensor(whole, rule, group.size, group.rank)
-        if tuple(part.shape) != tuple(buf.shape):
-            raise ValueError(
-                f"tensor parallelism: buffer {name}'s shard has shape {tuple(part.shape)}, "
-                f"the rank model expects {tuple(buf.shape)}"
-            )
-        buf.copy_(part)
+        buf.copy_(_shard(name, source[name], buf, plan, group, "buffer "))
 
 
 def install_reductions(model: nn.Module, plan: TPPlan, group: TPGroup) -> int:
@@ -71,3 +55,23 @@ def install_reductions(model: nn.Module, plan: TPPlan, group: TPGroup) -> int:
         raise ValueError("tensor parallelism: the plan's all-reduce points match no module")
     logger.debug("tensor parallelism: %d all-reduce points", count)
     return count
+
+
+def _shard(
+    name: str,
+    whole: torch.Tensor,
+    target: torch.Tensor,
+    plan: TPPlan,
+    group: TPGroup,
+    kind: str = "",
+) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `whole` (all of it unless a rule names it);
+    ValueError when it does not fit `target`, the rank model's tensor."""
+    rule = plan.params.rule_for(name)
+    part = whole if rule is None else shard_tensor(whole, rule, group.size, group.rank)
+    if tuple(part.shape) != tuple(target.shape):
+        raise ValueError(
+            f"tensor parallelism: {kind}{name}'s shard has shape {tuple(part.shape)}, the rank "
+            f"model expects {tuple(target.shape)}"
+        )
+    return part

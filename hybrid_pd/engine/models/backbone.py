@@ -1,0 +1,83 @@
+"""The decoder stack that the RoPE-everywhere models share (the Llama family, gpt-oss,
+Llama 4): checkpoint names ``embed_tokens``, ``layers.{i}``, ``norm``, and the RoPE inverse
+frequencies, kept as a plain attribute, not a buffer: the loader's model.to(dtype) must not
+round them to bfloat16 (transformers keeps them in float32 too)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.rope import RopeSettings, inverse_frequencies
+
+#: (inv_freq, positions, rope_scale, dtype) -> (cos, sin), the tables every layer receives.
+RopeTables = Callable[
+    [torch.Tensor, torch.Tensor, float, torch.dtype], tuple[torch.Tensor, torch.Tensor]
+]
+
+
+class RopeBackbone(nn.Module):
+    """Embedding, decoder layers called as ``layer(x, cos, sin, batch)``, final norm."""
+
+    def __init__(
+        self,
+        vocab: int,
+        hidden: int,
+        num_layers: int,
+        make_layer: Callable[[int], nn.Module],
+        make_norm: Callable[[], nn.Module],
+        rope: RopeSettings,
+        head_dim: int,
+    ) -> None:
+        """Modules are made in checkpoint order (embedding, layers, norm), as the models
+        made them before they shared this class."""
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(num_layers))
+        self.norm = make_norm()
+        self.inv_freq, self.rope_scale = inverse_frequencies(rope, head_dim)
+
+    def run(self, batch: ForwardBatch, tables: RopeTables) -> torch.Tensor:
+        """The final hidden states [T, hidden] of `batch`'s tokens."""
+        embed = self.embed_tokens
+        x = embed(batch.input_ids.to(embed.weight.device))
+        positions = batch.positions.to(x.device)
+        cos, sin = tables(self.inv_freq, positions, self.rope_scale, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
+        return self.norm(x)
+
+
+class RopeCausalLM(nn.Module):
+    """A causal LM over a `RopeBackbone`: ``model`` and, unless the embedding is tied,
+    ``lm_head``. `settings` carries vocab, hidden, tie, rope and head_dim; `tables` makes the
+    RoPE tables its layers take."""
+
+    def __init__(
+        self,
+        config: dict,
+        settings,
+        num_layers: int,
+        make_layer: Callable[[int], nn.Module],
+        make_norm: Callable[[], nn.Module],
+        tables: RopeTables,
+    ) -> None:
+        super().__init__()
+        self.settings = s = settings
+        self.config = config
+        self.model = RopeBackbone(
+            s.vocab, s.hidden, num_layers, make_layer, make_norm, s.rope, s.head_dim
+        )
+        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
+        self._tables = tables
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model.run(batch, self._tables)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight)
