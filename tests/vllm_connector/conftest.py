@@ -3,6 +3,12 @@ tests/connector/test_vllm.py runs them from the main suite. Elsewhere they are n
 collected."""
 
 import importlib.util
+import os
 
 if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]
+
+# Tensor-parallel vLLM servers take minutes per request on a 2-core machine (test_tp.py):
+# collected only when asked for, so the suite that runs everything else skips nothing.
+if os.environ.get("HYBRID_PD_VLLM_TP") != "1":
+    collect_ignore = [*globals().get("collect_ignore", []), "test_tp.py"]
