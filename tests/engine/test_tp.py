@@ -71,87 +71,13 @@ CASES = {
         (2,),
     ),
 }
+# a prompt long enough for several chunks; the second round repeats its first 32 tokens
+# (prefix-cache hits, state snapshots included)
+_LONG = [5, 17, 99, 23, 41, 8, 77, 120, 3, 9, 44, 61, 200, 13, 2, 90, 31, 7, 15, 16, 250, 33]
+_LONG += [4, 1, 6, 70, 71, 72, 9, 10, 11, 190]
 PROMPTS = [
-    [
-        [
-            5,
-            17,
-            99,
-            23,
-            41,
-            8,
-            77,
-            120,
-            3,
-            9,
-            44,
-            61,
-            200,
-            13,
-            2,
-            90,
-            31,
-            7,
-            15,
-            16,
-            250,
-            33,
-            4,
-            1,
-            6,
-            70,
-            71,
-            72,
-            9,
-            10,
-            11,
-            190,
-            191,
-            12,
-        ],
-        [40, 41, 42, 7],
-        [3, 1, 4, 1, 5, 9, 2, 6, 5, 3],
-    ],
-    # the first prompt's first 32 tokens again: prefix-cache hits (state snapshots included)
-    [
-        [
-            5,
-            17,
-            99,
-            23,
-            41,
-            8,
-            77,
-            120,
-            3,
-            9,
-            44,
-            61,
-            200,
-            13,
-            2,
-            90,
-            31,
-            7,
-            15,
-            16,
-            250,
-            33,
-            4,
-            1,
-            6,
-            70,
-            71,
-            72,
-            9,
-            10,
-            11,
-            190,
-            100,
-            101,
-        ],
-        [8, 8, 8],
-    ],
+    [[*_LONG, 191, 12], [40, 41, 42, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]],
+    [[*_LONG, 100, 101], [8, 8, 8]],
 ]
 NEW = 8
 
@@ -261,9 +187,7 @@ def _reassemble(parts, rule: Split, size: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------- tokens
 
 
-def tp_tokens(
-    folder: Path, size: int, rounds, new: int, max_batched_tokens: int = 24
-) -> dict:
+def tp_tokens(folder: Path, size: int, rounds, new: int, max_batched_tokens: int = 24) -> dict:
     """Greedy tokens of an engine of `size` real rank processes (tests/engine/tp_scenario.py)
     over `rounds` of prompts."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
