@@ -1,7 +1,7 @@
 """`bench tp`'s throughput half: prefill and decode tokens/s of one engine at TP 1 next to
 TP 2 on the same checkpoint, each setup a fresh process (`python -m
 hybrid_pd.bench.tp_throughput`, rank 0; at TP 2 it starts rank 1 with the product's
-`workers.tp_ranks.start_followers`), the setups alternating rep by rep."""
+`workers.tp_ranks.RankGroup`), the setups alternating rep by rep."""
 
 from __future__ import annotations
 
@@ -128,8 +128,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     from hybrid_pd.engine.loader import load_model
     from hybrid_pd.engine.malloc import tune_malloc
     from hybrid_pd.engine.threads import set_torch_threads
-    from hybrid_pd.engine.tp.group import SINGLE, join_group, leave_group, open_rendezvous
-    from hybrid_pd.workers.tp_ranks import start_followers, stop_followers
+    from hybrid_pd.engine.tp.group import SINGLE
+    from hybrid_pd.workers.tp_ranks import RankGroup
 
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     set_torch_threads(args.threads)
@@ -139,33 +139,27 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.prompt_len * max(sizes),
         enable_prefix_caching=False,
     )
-    procs, group = [], SINGLE
-    if args.size > 1:
-        store, address = open_rendezvous(args.size)
-        procs = start_followers(args.model, args.size, address, config, None, args.threads)
-        group = join_group(0, args.size, store)
+    ranks = (
+        RankGroup(args.model, args.size, config, threads=args.threads) if args.size > 1 else None
+    )
+    group = ranks.group if ranks is not None else SINGLE
+    engine = None
     try:
         model, hf_config, tok = load_model(Path(args.model), tp=group)
         engine = Engine(model, hf_config, config, tok, tp=group)
-        try:
-            gen = torch.Generator().manual_seed(0)
-            # First forward passes (allocations, lazy init) at the largest shape, untimed.
-            warm = torch.randint(3, 256, (args.prompt_len,), generator=gen).tolist()
-            _timed_batch(engine, [warm] * max(sizes), 4)
-            runs = []
-            for bs in sizes:
-                prompts = [
-                    torch.randint(3, 256, (args.prompt_len,), generator=gen).tolist()
-                    for _ in range(bs)
-                ]
-                runs.append(_timed_batch(engine, prompts, args.new_tokens))
-        finally:
-            if group.size > 1:
-                engine.release_followers()
+        gen = torch.Generator().manual_seed(0)
+        # First forward passes (allocations, lazy init) at the largest shape, untimed.
+        warm = torch.randint(3, 256, (args.prompt_len,), generator=gen).tolist()
+        _timed_batch(engine, [warm] * max(sizes), 4)
+        runs = []
+        for bs in sizes:
+            prompts = [
+                torch.randint(3, 256, (args.prompt_len,), generator=gen).tolist() for _ in range(bs)
+            ]
+            runs.append(_timed_batch(engine, prompts, args.new_tokens))
     finally:
-        if group.size > 1:
-            leave_group(group)
-            stop_followers(procs)
+        if ranks is not None:
+            ranks.close(engine)
     return {"tp_size": args.size, "threads": args.threads, "runs": runs}
 
 

@@ -99,6 +99,8 @@ class PrefillConnector(Staging):
         #: This worker's ranks' pools in rank order (`connector.tp_plan`), for pulls
         #: between tensor-parallel groups.
         self._shard_buffers = shard_buffers
+        #: Plans for tensor-parallel decode layouts, checked once per layout.
+        self._tp_plans: dict[KVLayout, ShardedPlan] = {}
         self.transport = transport
         self.lease_s = lease_s
         self._clock = clock
@@ -262,12 +264,17 @@ class PrefillConnector(Staging):
             return self._plan  # one rank here, or rank paired with rank (vLLM's workers)
         if dst_layout is None:
             raise TransferFailed("a pull from a tensor-parallel worker must give its layout")
-        diff = self.layout.difference(dst_layout)
-        if diff:
-            raise TransferFailed(diff)
-        if self._shard_buffers is None:
-            raise TransferFailed("this worker cannot send to a tensor-parallel peer")
-        return ShardedPlan(self.layout, dst_layout, self._shard_buffers)
+        plan = self._tp_plans.get(dst_layout)
+        if plan is None:
+            diff = self.layout.difference(dst_layout)
+            if diff:
+                raise TransferFailed(diff)
+            if self._shard_buffers is None:
+                raise TransferFailed("this worker cannot send to a tensor-parallel peer")
+            plan = self._tp_plans[dst_layout] = ShardedPlan(
+                self.layout, dst_layout, self._shard_buffers
+            )
+        return plan
 
     def _messages(
         self, plan, runs, message_regions, request_id: str, peer: bytes, tag: int

@@ -22,7 +22,6 @@ import torch
 
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.segments import plan_segments
-from hybrid_pd.connector.ucx import IovList
 from hybrid_pd.kvcache.tp_layout import tensor_pieces
 
 #: Columns of a plan's rows.
@@ -180,11 +179,3 @@ def _merge(rows: np.ndarray) -> np.ndarray:
     out = rows[starts].copy()
     out[:, NBYTES] = np.add.reduceat(rows[:, NBYTES], starts)
     return out
-
-
-def split_sharded_iov(iov: np.ndarray, pools: tuple, counts: Sequence[int]) -> list[IovList]:
-    """`counts[i]` consecutive rows per scatter-gather message."""
-    if sum(counts) != len(iov) or any(c < 1 for c in counts):
-        raise ValueError(f"message packing covers {sum(counts)} regions, the plan has {len(iov)}")
-    ends = np.cumsum(counts)
-    return [IovList(iov[e - c : e], pools) for c, e in zip(counts, ends.tolist(), strict=True)]

@@ -426,30 +426,25 @@ class Engine:
 def plan_kv_cache(model, hf_config: dict, config: EngineConfig) -> tuple[KVCacheConfig, int]:
     """The KV cache groups an engine of `model` will use, and its maximum length (a
     worker needs them for its connector before the engine exists)."""
-    param = next(model.parameters())
-    dtype = config.kv_dtype or _dtype_name(param)
+    groups, _, max_len = plan_kv_caches(model, hf_config, config)
+    return groups, max_len
+
+
+def plan_kv_caches(
+    model, hf_config: dict, config: EngineConfig
+) -> tuple[KVCacheConfig, KVCacheConfig | None, int]:
+    """`plan_kv_cache`'s groups, the whole model's grouping when `hf_config` is a
+    tensor-parallel rank's (the groups are then that grouping with the rank's slots,
+    `kvcache.tp_layout`; None for a single-rank model), and the maximum length."""
+    dtype = config.kv_dtype or _dtype_name(next(model.parameters()))
     spec = cache_spec_from_config(hf_config, dtype=dtype)
     max_len = config.max_model_len or min(spec.max_model_len or 4096, 32768)
     tp = hf_config.get(TP_CONFIG_KEY)
     if tp is None:
-        return plan_groups(spec, block_size=config.block_size, ref_len=max_len), max_len
-    # a rank's shard: the whole model's grouping, the rank's slots (kvcache.tp_layout)
+        return plan_groups(spec, block_size=config.block_size, ref_len=max_len), None, max_len
     whole = cache_spec_from_config(tp["config"], dtype=dtype)
     full = plan_groups(whole, block_size=config.block_size, ref_len=max_len)
-    return rank_kv_config(full, spec), max_len
-
-
-def plan_whole_kv_cache(model, hf_config: dict, config: EngineConfig) -> KVCacheConfig | None:
-    """The whole model's grouping when `hf_config` is a tensor-parallel rank's (the one
-    `plan_kv_cache` shrank to the rank's slots); None for a single-rank model."""
-    tp = hf_config.get(TP_CONFIG_KEY)
-    if tp is None:
-        return None
-    whole = cache_spec_from_config(
-        tp["config"], dtype=config.kv_dtype or _dtype_name(next(model.parameters()))
-    )
-    _, max_len = plan_kv_cache(model, hf_config, config)
-    return plan_groups(whole, block_size=config.block_size, ref_len=max_len)
+    return rank_kv_config(full, spec), full, max_len
 
 
 def _dtype_name(param: torch.Tensor) -> str:

@@ -103,7 +103,10 @@ def owner_of(unit: int, units: int, size: int, replicate: bool) -> tuple[int, in
     raise TPLayoutError(f"{units} units do not split over {size} ranks")
 
 
-def rank_units(units: int, size: int, rank: int, replicate: bool) -> range:
+def rank_units(units: int, size: int, rank: int, replicate: bool = False) -> range:
+    """The units of a segment that `rank` of `size` holds, in order: an even share, or
+    (`replicate`, fewer units than ranks) the one unit its heads read, r * units // size.
+    Raises TPLayoutError (a ValueError) when the segment cannot be split that way."""
     if units % size == 0:
         per = units // size
         return range(rank * per, (rank + 1) * per)

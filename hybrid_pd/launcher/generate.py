@@ -4,7 +4,6 @@ through a prefill and a decode worker process with the KV moved over UCX."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 
 from hybrid_pd.api.sizes import HELD_STATE_ROWS_HELP, held_state_rows_arg
@@ -83,7 +82,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from hybrid_pd.engine.malloc import tune_malloc
     from hybrid_pd.engine.threads import set_torch_threads
     from hybrid_pd.engine.tiny import resolve_model
+    from hybrid_pd.engine.tp.group import SINGLE
     from hybrid_pd.workers.settings import EngineSettings
+    from hybrid_pd.workers.tp_ranks import RankGroup
 
     size = args.tensor_parallel_size
     set_torch_threads(args.threads, workers_on_this_host=size)
@@ -91,16 +92,22 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     engine_config = EngineSettings(
         kv_memory=args.kv_memory, held_state_rows=args.held_state_rows
     ).config()
-    with tp_ranks(args, size, engine_config) as group:
+    # ranks 1 .. size-1 as child processes; this process is rank 0
+    ranks = None
+    if size > 1:
+        ranks = RankGroup(args.model, size, engine_config, args.device, args.threads)
+    group = ranks.group if ranks is not None else SINGLE
+    engine = None
+    try:
         model, config, tokenizer = load_model(
             resolve_model(args.model), device=args.device, tp=group
         )
         engine = Engine(model, config, engine_config, tokenizer, tp=group)
-        try:
-            with frozen_heap():
-                out = engine.generate([_prompt_ids(args, tokenizer)], _sampling(args))[0]
-        finally:
-            engine.release_followers()
+        with frozen_heap():
+            out = engine.generate([_prompt_ids(args, tokenizer)], _sampling(args))[0]
+    finally:
+        if ranks is not None:
+            ranks.close(engine)
     result = {
         "token_ids": out.token_ids,
         "text": out.text if out.text is not None else "",
@@ -120,28 +127,6 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
-
-
-@contextlib.contextmanager
-def tp_ranks(args: argparse.Namespace, size: int, engine_config):
-    """This process as rank 0 of `size` (the others started here, stopped at the end);
-    yields the group (the single-rank group when size is 1)."""
-    from hybrid_pd.engine.tp.group import SINGLE, join_group, leave_group, open_rendezvous
-    from hybrid_pd.workers.tp_ranks import start_followers, stop_followers
-
-    if size == 1:
-        yield SINGLE
-        return
-    store, address = open_rendezvous(size)
-    procs = start_followers(args.model, size, address, engine_config, args.device, args.threads)
-    group = None
-    try:
-        group = join_group(0, size, store, args.device)
-        yield group
-    finally:
-        if group is not None:
-            leave_group(group)
-        stop_followers(procs)
 
 
 def _sampling(args: argparse.Namespace):

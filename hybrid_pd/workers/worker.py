@@ -24,7 +24,7 @@ from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.segments import PoolRegions
 from hybrid_pd.connector.setup import add_kv_control, open_server, start_transport
 from hybrid_pd.engine import cpu_kernels
-from hybrid_pd.engine.engine import Engine, plan_kv_cache, plan_whole_kv_cache
+from hybrid_pd.engine.engine import Engine, plan_kv_caches
 from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.loop import EngineLoop
 from hybrid_pd.engine.tiny import resolve_model
@@ -72,14 +72,9 @@ class Worker:
                 self.ranks.close()
             raise
         self.model_name = config.model
-        kv_config, _ = plan_kv_cache(model, hf_config, config.engine)
+        kv_config, whole, _ = plan_kv_caches(model, hf_config, config.engine)
         identity = model_identity(hf_config, model)
-        self.layout = KVLayout.of(
-            kv_config,
-            identity.key(),
-            plan_whole_kv_cache(model, hf_config, config.engine),
-            tp.size,
-        )
+        self.layout = KVLayout.of(kv_config, identity.key(), whole, tp.size)
         #: Every rank's pool in rank order (rank 0's alone without tensor parallelism).
         self.pools: list = []
         self.transport = start_transport(config.host, config.ucx_tls)

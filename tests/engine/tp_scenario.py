@@ -1,6 +1,6 @@
 """Rank 0 of a tensor-parallel engine, run as its own process by tests/engine/test_tp.py:
-starts the other ranks (hybrid_pd.workers.tp_ranks, the product's follower entry), runs
-the test's prompt rounds and prints their greedy tokens as JSON on stdout's last line."""
+starts the other ranks (`workers.tp_ranks.RankGroup`, as the product does), runs the test's
+prompt rounds and prints their greedy tokens as JSON on stdout's last line."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from hybrid_pd.engine.engine import Engine, EngineConfig
 from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.engine.threads import set_torch_threads
-from hybrid_pd.engine.tp.group import join_group, leave_group, open_rendezvous
-from hybrid_pd.workers.tp_ranks import start_followers, stop_followers
+from hybrid_pd.workers.tp_ranks import RankGroup
 
 
 def engine_config(max_batched_tokens: int = 24) -> EngineConfig:
@@ -37,20 +36,15 @@ def main() -> int:
     args = p.parse_args()
     set_torch_threads(1)
     config = engine_config(args.max_batched_tokens)
-    store, address = open_rendezvous(args.size)
-    procs = start_followers(args.model, args.size, address, config, None, 1)
-    group = join_group(0, args.size, store)
+    ranks = RankGroup(args.model, args.size, config, threads=1)
+    engine = None
     try:
-        model, hf_config, tok = load_model(args.model, tp=group)
-        engine = Engine(model, hf_config, config, tok, tp=group)
-        try:
-            out = run_rounds(engine, json.loads(args.rounds), args.new)
-        finally:
-            engine.release_followers()
+        model, hf_config, tok = load_model(args.model, tp=ranks.group)
+        engine = Engine(model, hf_config, config, tok, tp=ranks.group)
+        out = run_rounds(engine, json.loads(args.rounds), args.new)
         steps = engine.num_steps_with_work
     finally:
-        leave_group(group)
-        codes = stop_followers(procs)
+        codes = ranks.close(engine)
     print(json.dumps({"tokens": out, "follower_exit_codes": codes, "steps": steps}))
     return 0
 

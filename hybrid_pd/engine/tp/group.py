@@ -62,10 +62,6 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier()
-
 
 SINGLE = TPGroup()
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid_pd.kvcache.tp_layout import rank_units
+
 
 @dataclass(frozen=True)
 class Seg:
@@ -47,17 +49,9 @@ LEADER_ONLY = "leader-only"
 Rule = Split | str
 
 
-def owned_units(units: int, size: int, rank: int, replicate: bool = False) -> range:
-    """The units of a segment that `rank` of `size` holds. Raises ValueError when the
-    segment cannot be split that way."""
-    if units % size == 0:
-        per = units // size
-        return range(rank * per, (rank + 1) * per)
-    if replicate and size % units == 0:
-        unit = rank * units // size
-        return range(unit, unit + 1)
-    how = "divide, or be divided by," if replicate else "divide"
-    raise ValueError(f"{size} ranks must {how} {units} units")
+#: The units of a segment that `rank` of `size` holds (ValueError when it cannot split so):
+#: the same rule the KV pools' shards follow (`kvcache.tp_layout`).
+owned_units = rank_units
 
 
 def shard_tensor(tensor: torch.Tensor, rule: Rule, size: int, rank: int) -> torch.Tensor:
