@@ -26,6 +26,16 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
     return hashlib.sha256(array("q", token_ids).tobytes()).hexdigest()[:32]
 
 
+def _optional(d: dict, name: str, types, default):
+    """`d[name]` when present (of `types`, not a bool), else `default`."""
+    if name not in d:
+        return default
+    value = d[name]
+    if not isinstance(value, types) or isinstance(value, bool):
+        raise ValueError(f"kv_transfer_params.{name} has the wrong type")
+    return value
+
+
 @dataclass(frozen=True)
 class KVTransferParams:
     request_id: str
@@ -46,6 +56,10 @@ class KVTransferParams:
     #: `engine_id` and `fingerprint` are unknown until the prefill worker's Progress tells
     #: them (`completed`).
     staged: bool = False
+    #: Wall-clock second after which the signature no longer vouches for the params, and
+    #: the HMAC that does (`api.signing`); 0 and "" when unsigned.
+    expires_at: float = 0.0
+    signature: str = ""
 
     @classmethod
     def for_staging(
@@ -84,6 +98,8 @@ class KVTransferParams:
             engine_id=engine_id,
             fingerprint=fingerprint,
             staged=False,
+            expires_at=0.0,
+            signature="",
         ).validated()
 
     def to_dict(self) -> dict[str, Any]:
@@ -116,6 +132,8 @@ class KVTransferParams:
             fingerprint=d["fingerprint"],
             transfer_token=d["transfer_token"],
             prompt_digest=d["prompt_digest"] if isinstance(d.get("prompt_digest"), str) else "",
+            expires_at=_optional(d, "expires_at", (int, float), 0.0),
+            signature=_optional(d, "signature", str, ""),
         ).validated()
 
     def to_pb(self) -> pb.KVTransferParams:
@@ -130,6 +148,8 @@ class KVTransferParams:
             transfer_token=self.transfer_token,
             prompt_digest=self.prompt_digest,
             staged=self.staged,
+            expires_at=self.expires_at,
+            signature=self.signature,
         )
 
     @classmethod
@@ -146,6 +166,8 @@ class KVTransferParams:
             transfer_token=msg.transfer_token,
             prompt_digest=msg.prompt_digest,
             staged=msg.staged,
+            expires_at=msg.expires_at,
+            signature=msg.signature,
         ).validated()
 
     def validated(self) -> KVTransferParams:
@@ -161,6 +183,8 @@ class KVTransferParams:
                 raise ValueError(f"kv_transfer_params.{name} is empty")
         if self.prompt_len < 1:
             raise ValueError("kv_transfer_params.prompt_len must be positive")
+        if self.expires_at < 0 or (self.expires_at > 0) != bool(self.signature):
+            raise ValueError("kv_transfer_params.signature and expires_at come together")
         if self.first_token < 0:
             raise ValueError("kv_transfer_params.first_token must not be negative")
         for g, ids in enumerate(self.block_ids):

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from hybrid_pd.api.params import KVTransferParams
+from hybrid_pd.connector.admission import Admission
 from hybrid_pd.connector.base import LoadResult, TransferFailed
 from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
 from hybrid_pd.connector.decode_peer import Peer, Refused, TransferStats, rpc_error
@@ -70,7 +71,8 @@ class DecodeConnector:
         shard_buffers: Callable[[], Sequence] | None = None,
     ) -> None:
         """`peers`: control addresses of the prefill workers this worker may dial (more
-        come through `add_peers`); kv_transfer_params naming any other address fail.
+        come through `add_peers`); kv_transfer_params naming any other address fail unless
+        they are signed with `secret` (`connector.admission`).
         `region(first_block, n)` or `plan`: as for PrefillConnector. `scatter_gather`:
         pack a transfer's regions (runs of blocks) into few UCX messages, each at most
         `message_max_regions` regions and `message_max_bytes` bytes (CPU pools, and peers
@@ -89,7 +91,7 @@ class DecodeConnector:
         self.timeout_s = timeout_s
         self._peers: dict[str, Peer] = {}
         self._bare: dict[str, grpc.Channel] = {}  # control-only channels (see _stub)
-        self._known: set[str] = set(peers)
+        self._admission = Admission(peers, secret)
         self._lock = threading.Lock()
         # Tags: a random per-connector base plus a counter, 2**16 messages per transfer.
         self._tag_base = secrets.randbits(24) << 40
@@ -170,7 +172,7 @@ class DecodeConnector:
             res = LoadResult(request_id, f"{type(e).__name__}: {e}")
         if res.error is not None:
             logger.warning("KV pull for %s failed: %s", request_id, res.error)
-            if params.control_address in self.known_peers:
+            if self._admission.may_dial(params.control_address):
                 self.abort_later(params)  # the prefill worker frees it now, not at expiry
         self.finish_load(res)
         if release is not None:  # after the engine heard: not on the request's critical path
@@ -217,21 +219,26 @@ class DecodeConnector:
 
     def add_peers(self, addresses) -> None:
         """Prefill workers (control addresses) this worker may dial from now on."""
-        with self._lock:
-            self._known.update(addresses)
+        self._admission.add(addresses)
 
     @property
     def known_peers(self) -> list[str]:
-        with self._lock:
-            return sorted(self._known)
+        return self._admission.known
+
+    def may_dial(self, address: str) -> bool:
+        """A known peer, or an address signed params vouched for (until they expire)."""
+        return self._admission.may_dial(address)
+
+    def admit(self, params: KVTransferParams, address: str | None = None) -> None:
+        """See `Admission.admit` (raises TransferFailed)."""
+        self._admission.admit(params, address)
 
     def _peer(self, address: str) -> Peer:
         with self._lock:
             peer = self._peers.get(address)
-            known = address in self._known
         if peer is not None:
             return peer
-        if not known:
+        if not self._admission.may_dial(address):
             # Never dial (and send the secret to) an address taken from a request.
             raise TransferFailed(
                 f"{address} is not a known prefill worker of this decode worker "
@@ -310,7 +317,7 @@ class DecodeConnector:
             peer = self._peers.get(address)
             if peer is not None:
                 return peer.stub
-            if address not in self._known:
+            if not self._admission.may_dial(address):
                 raise TransferFailed(f"{address} is not a known prefill worker of this one")
             if address not in self._bare:
                 self._bare[address] = grpc.insecure_channel(address)
@@ -337,6 +344,7 @@ class DecodeConnector:
         prefix cache). Raises TransferFailed. The seconds reported run from the call to
         the bytes' arrival."""
         t0 = time.perf_counter()
+        self._admission.admit(params)  # a known peer, or signed params; never a replay
         peer = self._peer(params.control_address)  # the handshake names a layout mismatch
         # the params must come from the layout the handshake agreed to (ours, or a
         # tensor-parallel peer's that maps onto ours)
@@ -361,6 +369,7 @@ class DecodeConnector:
             self._count(failed=1)
             raise
         stats = TransferStats(reply.bytes, reply.messages, time.perf_counter() - t0)
+        self._admission.spend(params)
         if release:
             self._release(peer, params)
         self._count(

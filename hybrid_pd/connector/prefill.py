@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
+from hybrid_pd.api.signing import sign
 from hybrid_pd.connector import faults
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
@@ -79,6 +80,7 @@ class PrefillConnector(Staging):
         keep_wait_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         shard_buffers: Callable[[], Sequence] | None = None,
+        secret: str | None = None,
     ) -> None:
         """`free_blocks(request_id)` frees a kept request in the engine (thread-safe);
         `region(first_block, n)` returns the contiguous tensor of n blocks of our engine's
@@ -88,12 +90,17 @@ class PrefillConnector(Staging):
         `keep_wait_s`: where `keep` reaches this object after the params reach the client
         (vLLM: the engine core hands them out, the worker process keeps at its next step),
         a pull for a request not kept yet waits this long for it, and an abort that comes
-        first is remembered and applied when the keep arrives."""
+        first is remembered and applied when the keep arrives.
+
+        `secret`: the control plane's shared secret; the params handed out are then signed
+        with it (valid for the lease), so decode servers that were never told of this one
+        may pull from it (`api.signing`)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
         self.layout = layout
         self.control_address = control_address
+        self._secret = secret
         self._free_blocks = free_blocks
         self._plan = plan if plan is not None else PagedPlan(region, layout.page_size_bytes)
         #: This worker's ranks' pools in rank order (`connector.tp_plan`), for pulls
@@ -146,6 +153,8 @@ class PrefillConnector(Staging):
             transfer_token=token,
             prompt_digest=prompt_digest(request.prompt_ids),
         )
+        if self._secret is not None:
+            params = sign(params, self._secret, self.lease_s)
         return True, params.to_dict()
 
     def keep(

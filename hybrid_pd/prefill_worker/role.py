@@ -37,6 +37,7 @@ class PrefillRole(Role):
             transport=parts.transport,
             lease_s=parts.config.lease_s,
             shard_buffers=parts.shard_buffers,
+            secret=parts.config.secret,
         )
         self.scheduler_half = self.connector
 

@@ -7,11 +7,13 @@ Decode's policy on a failed pull: `recompute` (run the prompt locally; output un
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import replace
 
 import grpc
 import pytest
 
+from hybrid_pd.api.signing import sign
 from hybrid_pd.api.wire import sampling_to_pb
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.launcher.local import start_worker
@@ -148,32 +150,83 @@ def test_prefill_killed(env, when):
     _leak_free(c["decode"])
 
 
-def test_shared_secret_guards_every_rpc(env):
-    _, common, _, _, ref = env
+@pytest.fixture(scope="module")
+def secured(env):
+    """A prefill worker and two decode workers sharing a secret: one told of the prefill
+    worker (--peer), one told of none."""
+    _, common, _, _, _ = env
     procs = []
     try:
         procs.append(start_worker("prefill", *common, "--secret", "s3cret"))
         peer = ("--peer", procs[0].address)
         procs.append(start_worker("decode", *common, *peer, "--secret", "s3cret"))
-        p = prompt(20, seed=16)
-        with pytest.raises(grpc.RpcError) as e:
-            WorkerClient(procs[0].address).prefill("sec-0", p, SAMPLING)
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        for rpc in ("stats", "health"):
-            with pytest.raises(grpc.RpcError) as e:
-                getattr(WorkerClient(procs[1].address), rpc)()
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        prefill, decode = (WorkerClient(w.address, secret="s3cret") for w in procs)
-        first = prefill.prefill("sec-1", p, SAMPLING)
-        with pytest.raises(grpc.RpcError) as e:  # Abort without the secret: refused
-            WorkerClient(procs[0].address).abort("sec-1")
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        out = decode.generate("sec-1", p, SAMPLING, first.kv_transfer_params)
-        assert not out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
-        _leak_free(prefill, decode)
+        procs.append(start_worker("decode", *common, "--secret", "s3cret"))
+        yield procs
     finally:
         for w in procs:
             w.stop()
+
+
+def test_shared_secret_guards_every_rpc(env, secured):
+    ref = env[4]
+    procs = secured
+    p = prompt(20, seed=16)
+    with pytest.raises(grpc.RpcError) as e:
+        WorkerClient(procs[0].address).prefill("sec-0", p, SAMPLING)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for rpc in ("stats", "health"):
+        with pytest.raises(grpc.RpcError) as e:
+            getattr(WorkerClient(procs[1].address), rpc)()
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    prefill, decode = (WorkerClient(w.address, secret="s3cret") for w in procs[:2])
+    first = prefill.prefill("sec-1", p, SAMPLING)
+    with pytest.raises(grpc.RpcError) as e:  # Abort without the secret: refused
+        WorkerClient(procs[0].address).abort("sec-1")
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    out = decode.generate("sec-1", p, SAMPLING, first.kv_transfer_params)
+    assert not out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
+    _leak_free(prefill, decode)
+
+
+def test_signed_params_open_an_unlisted_prefill_worker(env, secured):
+    """A decode worker never told of a prefill worker pulls from it when the params are
+    signed with the shared secret; forged, expired, unsigned and replayed params are
+    refused before a byte moves (and a forged address is never dialed)."""
+    ref = env[4]
+    prefill, _, decode = (WorkerClient(w.address, secret="s3cret") for w in secured)
+    assert decode.stats()["peers"] == []
+    p = prompt(28, seed=19)
+    first = prefill.prefill("sig-1", p, SAMPLING)
+    kv = first.kv_transfer_params
+    assert kv.signature and kv.expires_at > time.time()
+    sent = prefill.stats()["prefill_connector"]["bytes_sent"]
+    with socket.socket() as trap:
+        trap.bind(("127.0.0.1", 0))
+        trap.listen(8)
+        trap.settimeout(0.5)
+        elsewhere = f"127.0.0.1:{trap.getsockname()[1]}"
+        for bad, why in (
+            (replace(kv, control_address=elsewhere), "signature does not match"),
+            (replace(kv, first_token=(kv.first_token + 1) % 256), "signature does not match"),
+            (sign(replace(kv, signature="", expires_at=0.0), "s3cret", 1, time.time() - 5),
+             "expired"),
+            (sign(replace(kv, signature="", expires_at=0.0), "guess", 30), "does not match"),
+            (replace(kv, signature="", expires_at=0.0), "not a known prefill worker"),
+        ):  # fmt: skip
+            with pytest.raises(grpc.RpcError, match=why):
+                decode.generate("sig-1", p, SAMPLING, bad, failure_policy="fail")
+        with pytest.raises(TimeoutError):
+            trap.accept()
+    assert prefill.stats()["prefill_connector"]["bytes_sent"] == sent
+    assert decode.stats()["decode_connector"]["pulls"] == 0
+    out = decode.generate("sig-1", p, SAMPLING, kv)
+    assert not out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
+    assert out.transfer["bytes"] > 0
+    sent = prefill.stats()["prefill_connector"]["bytes_sent"]
+    with pytest.raises(grpc.RpcError, match="replay"):
+        decode.generate("sig-2", p, SAMPLING, kv, failure_policy="fail")
+    assert prefill.stats()["prefill_connector"]["bytes_sent"] == sent
+    _leak_free(prefill, decode)
 
 
 def test_decode_never_dials_an_address_from_the_request(env):

@@ -119,7 +119,10 @@ def pd(request, tmp_path_factory):
         root / "decode.log",
         dtype=dtype,
         role="kv_consumer",
-        extra={"peers": [f"127.0.0.1:{control}"], "secret_file": str(secret)},
+        # No `peers`: the decode server pulls from a prefill server it was never told of,
+        # trusting it because the params are signed with the shared secret (as behind a
+        # router whose prefill pool changes).
+        extra={"secret_file": str(secret)},
         cpus=decode_cpus,
         env=env,
         single_process=True,

@@ -83,6 +83,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
             control_address=control_bind if options.control_port else None,
             peers=options.peers,
             secret=self.secret,
+            lease_s=options.lease_s,
         )
         self._worker: WorkerHalf | None = None  # made at register_kv_caches
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.request import RequestStatus
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
+from hybrid_pd.api.signing import refusal, sign
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.vllm.clip import BlockClipper
 from hybrid_pd.connector.vllm.metadata import HybridPDHandshake, HybridPDMetadata, Load, Send
@@ -51,6 +52,7 @@ class SchedulerHalf:
         control_address: str | None,
         peers: tuple[str, ...],
         secret: str | None,
+        lease_s: float,
     ) -> None:
         self._vllm_config = vllm_config
         self._kv_cache_config = kv_cache_config
@@ -63,6 +65,8 @@ class SchedulerHalf:
         self.control_address = control_address
         self.peers = peers
         self.secret = secret
+        #: How long the params handed out are signed for (the worker half's lease).
+        self.lease_s = lease_s
         self._meta = HybridPDMetadata()
         self._pending: dict[str, KVTransferParams] = {}
         self._differences: dict[tuple[str, str], str] = {}  # why a peer's layout differs
@@ -125,7 +129,9 @@ class SchedulerHalf:
         if known is not None:
             return known
         reason = "the prefill server's KV layout differs from this server's"
-        if params.control_address in self.peers:
+        if params.control_address in self.peers or (
+            params.signature and refusal(params, self.secret) is None
+        ):
             import grpc
 
             from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
@@ -214,13 +220,15 @@ class SchedulerHalf:
             fingerprint=self.layout.fingerprint,
             transfer_token=token,
             prompt_digest=prompt_digest(request.prompt_token_ids),
-        ).to_dict()
+        )
+        if self.secret is not None:  # decode servers not told of this one may pull then
+            kv = sign(kv, self.secret, self.lease_s)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
-            PARAMS_KEY: kv,
+            PARAMS_KEY: kv.to_dict(),
         }
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:

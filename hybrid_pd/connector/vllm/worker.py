@@ -14,6 +14,7 @@ import threading
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.vllm.metadata import HybridPDMetadata
 from hybrid_pd.connector.vllm.metrics import COUNTERS
@@ -106,15 +107,27 @@ class WorkerHalf:
                 raise RuntimeError("a kv_producer was asked to load KV")
             self.decode.start_load_kv(ld.request_id, self._ranked(ld.params), ld.block_ids)
         for p in meta.drops:
+            if self.decode is None:
+                continue
             p = self._ranked(p)
-            if self.decode is not None and p.control_address in self.decode.known_peers:
-                self.decode.abort_later(p)
+            try:  # a known peer, or one the params vouch for: it frees the blocks now
+                self.decode.admit(p)
+            except TransferFailed:
+                continue  # else its lease expires on its own
+            self.decode.abort_later(p)
 
     def _ranked(self, params):
         """The params as this rank's pull needs them: the prefill server's same rank."""
         if self.rank == 0:
             return params
         address = rank_address(params.control_address, self.rank)
+        if self.decode is not None and params.signature:
+            # rank 0's signed params vouch for the same server's rank `rank` (the
+            # re-addressed params' signature no longer matches their address)
+            try:
+                self.decode.admit(params, address)
+            except TransferFailed:
+                pass  # the pull fails, saying why
         return dataclasses.replace(params, control_address=address)
 
     def results(self) -> KVConnectorTransferResults:
