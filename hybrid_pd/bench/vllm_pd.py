@@ -4,9 +4,10 @@ vLLM's own NixlConnector, side by side on one machine.
 For each connector a prefill server and a decode server start (vLLM's CPU build: prefill on
 one half of the CPUs, decode on the other). Each request goes the way vLLM's disaggregation
 examples send it: the prompt to prefill with `do_remote_decode` and max_tokens 1, then the
-same request to decode with the kv_transfer_params it returned. With hybrid-pd the first token
-comes from prefill and decode continues from the exact state after the prompt; NIXL's decode
-produces every token itself (for Mamba/GDN layers it recomputes the last prompt token).
+same request to decode with the kv_transfer_params it returned, and decode's reply is the
+answer. With hybrid-pd decode continues from the prefill's first token and the exact state
+after the prompt, and its reply starts with that token; NIXL's decode produces every token
+itself (for Mamba/GDN layers it recomputes the last prompt token).
 
 Figures per connector: how many outputs equal one vLLM instance's (greedy token ids) and how
 long the agreeing prefix is, and the hand-off's cost as the client sees it: the decode
@@ -126,9 +127,8 @@ class _Pair:
         params = pre.get("kv_transfer_params")
         if not params:
             raise RuntimeError(f"{self.name}: the prefill server returned no kv_transfer_params")
+        # as vLLM's routers do: the prefill's reply is dropped, decode's carries every token
         ids, ttft, total = self.decode.stream_timed({**body, "kv_transfer_params": params})
-        if self.name == "hybrid-pd":  # the first token comes from prefill
-            ids = pre["choices"][0]["token_ids"] + ids
         return {"ids": ids, "prefill_s": prefill_s, "decode_ttft_s": ttft, "decode_s": total}
 
 

@@ -88,6 +88,8 @@ def _vllm_params(kv: KVTransferParams) -> dict:
         "remote_engine_id": kv.engine_id,
         "remote_request_id": kv.request_id,
         PARAMS_KEY: kv.to_dict(),
+        # our proxy streamed the prefill's first token already: decode's reply starts after it
+        "reply_first_token": False,
     }
 
 

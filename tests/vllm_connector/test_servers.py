@@ -81,14 +81,13 @@ class PD:
     def run(
         self, prompt, max_tokens: int = MAX_TOKENS, stream: bool = False, zeros: bool = False
     ) -> list[int]:
-        first, params = self.hand_off(prompt, zeros)
+        """As vLLM's own P/D routers go: the prefill's reply is thrown away but for its
+        kv_transfer_params, and decode's reply is the answer, every token of it."""
+        _, params = self.hand_off(prompt, zeros)
         body = self.body(prompt, max_tokens, params)
-        rest = (
-            self.decode.stream_tokens(body)
-            if stream
-            else self.decode.complete(body)["choices"][0]["token_ids"]
-        )
-        return first + rest
+        if stream:
+            return self.decode.stream_tokens(body)
+        return self.decode.complete(body)["choices"][0]["token_ids"]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -227,11 +226,12 @@ def test_replayed_params_recompute_exactly(pd):
     ref = pd.reference(prompt)
     first, params = pd.hand_off(prompt)
     body = pd.body(prompt, MAX_TOKENS, params)
-    assert first + pd.decode.complete(body)["choices"][0]["token_ids"] == ref
+    assert pd.decode.complete(body)["choices"][0]["token_ids"] == ref
     failures = pd.decode.metrics().get("hybrid_pd_kv_pull_failures_total", 0)
     if pd.dtype != "float32":
         ref = first + pd.reference(prompt + first, MAX_TOKENS - 1)
-    assert first + pd.decode.complete(body)["choices"][0]["token_ids"] == ref
+    # the replayed reply starts with the prefill's token too
+    assert pd.decode.complete(body)["choices"][0]["token_ids"] == ref
     m = _settle(pd.decode, "hybrid_pd_kv_pull_failures_total", failures + 1)
     assert m["hybrid_pd_kv_pull_failures_total"] == failures + 1
 
@@ -247,6 +247,21 @@ def test_params_for_another_prompt_compute_locally(pd):
     assert out == full
     assert pd.decode.metrics().get("hybrid_pd_kv_pulls_total", 0) == pulls
     # a's lease was dropped at once, not left to expire.
+    m = _settle(pd.prefill, "vllm:kv_cache_usage_perc", 0.0)
+    assert m["vllm:kv_cache_usage_perc"] == 0.0
+
+
+def test_logprobs_on_decode_compute_locally(pd):
+    """Decode's reply starts with the prefill's token, whose logprobs the params do not
+    carry: a decode request asking for logprobs computes alone (exact, nothing pulled) and
+    the prefill's lease is dropped at once."""
+    prompt = _prompts(2, seed=6)[1]
+    _, params = pd.hand_off(prompt)
+    pulls = pd.decode.metrics().get("hybrid_pd_kv_pulls_total", 0)
+    out = pd.decode.complete({**pd.body(prompt, MAX_TOKENS, params), "logprobs": 1})
+    assert out["choices"][0]["token_ids"] == pd.reference(prompt)
+    assert len(out["choices"][0]["logprobs"]["token_logprobs"]) == MAX_TOKENS
+    assert pd.decode.metrics().get("hybrid_pd_kv_pulls_total", 0) == pulls
     m = _settle(pd.prefill, "vllm:kv_cache_usage_perc", 0.0)
     assert m["vllm:kv_cache_usage_perc"] == 0.0
 

@@ -24,6 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from hybrid_pd.connector.vllm.clip import BlockClipper
+from hybrid_pd.connector.vllm.first_token import FirstTokens
+from hybrid_pd.connector.vllm.first_token import install as install_first_tokens
 from hybrid_pd.connector.vllm.layout import layout_of
 from hybrid_pd.connector.vllm.metadata import HybridPDHandshake, HybridPDMetadata
 from hybrid_pd.connector.vllm.metrics import HybridPDPromMetrics, HybridPDStats
@@ -86,6 +88,11 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
             lease_s=options.lease_s,
         )
         self._worker: WorkerHalf | None = None  # made at register_kv_caches
+        #: First tokens owed to decode replies (`first_token`): vLLM's scheduler, consumers.
+        self.first_tokens: FirstTokens | None = None
+        if self.is_consumer and role == KVConnectorRole.SCHEDULER:
+            self.first_tokens = self._scheduler.first_tokens
+            install_first_tokens()
 
     # == scheduler side =======================================================================
     def on_new_request(self, request: Request) -> None:

@@ -18,6 +18,7 @@ from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.api.signing import refusal, sign
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.vllm.clip import BlockClipper
+from hybrid_pd.connector.vllm.first_token import REPLY_KEY, FirstTokens
 from hybrid_pd.connector.vllm.metadata import HybridPDHandshake, HybridPDMetadata, Load, Send
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class SchedulerHalf:
         self._meta = HybridPDMetadata()
         self._pending: dict[str, KVTransferParams] = {}
         self._differences: dict[tuple[str, str], str] = {}  # why a peer's layout differs
+        self.first_tokens = FirstTokens()
 
     def on_new_request(self, request: Request) -> None:
         """Decode: a request carrying our kv_transfer_params continues from the prefill's
@@ -99,6 +101,8 @@ class SchedulerHalf:
         request.max_tokens -= 1
         request.update_block_hashes()
         self._pending[request.request_id] = params
+        if _replies_first_token(request):
+            self.first_tokens.owe(request.request_id, params.first_token)
 
     def _unfit(self, request: Request, params: KVTransferParams, raw: dict) -> str | None:
         prompt = request.prompt_token_ids
@@ -113,6 +117,10 @@ class SchedulerHalf:
             return "kv_transfer_params were made for another prompt (its digest differs)"
         if params.fingerprint != self.layout.fingerprint:
             return self._layout_difference(params)
+        sampling = request.sampling_params
+        if _replies_first_token(request) and sampling is not None and sampling.logprobs is not None:
+            # the prefill's params carry its first token, not that token's logprobs
+            return "logprobs asked of a reply that starts with the prefill's token"
         if request.max_tokens < 2:
             # The prefill already produced the only token; computing here is exact too.
             return "max_tokens < 2 leaves nothing to decode"
@@ -188,6 +196,7 @@ class SchedulerHalf:
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        self.first_tokens.ended(request.request_id)
         params = self._pending.pop(request.request_id, None)
         if params is not None:  # decode: finished before its load was planned
             self._meta.drops.append(params)
@@ -236,3 +245,9 @@ class SchedulerHalf:
         for _, meta in sorted(metadata.items(), key=lambda kv: kv[0] != 0):
             if isinstance(meta, HybridPDHandshake) and self.control_address is None:
                 self.control_address = meta.control_address
+
+
+def _replies_first_token(request: Request) -> bool:
+    """Whether decode's reply starts with the prefill's first token (`first_token`): yes
+    unless the request's kv_transfer_params say `reply_first_token: false`."""
+    return (request.kv_transfer_params or {}).get(REPLY_KEY, True) is not False
