@@ -57,6 +57,8 @@ class FirstTokens:
                     if token is None or not (out.new_token_ids or out.finish_reason):
                         continue
                     del self._due[out.request_id]
+                    if not out.new_token_ids:  # ended without a token (an error, an abort)
+                        continue
                     out.new_token_ids = [token, *out.new_token_ids]
                     if out.new_logprobs is not None:  # never asked: such requests compute alone
                         logger.error("request %s: logprobs with a prepended token", out.request_id)
