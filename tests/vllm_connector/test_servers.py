@@ -266,6 +266,24 @@ def test_logprobs_on_decode_compute_locally(pd):
     assert m["vllm:kv_cache_usage_perc"] == 0.0
 
 
+def test_structured_output_on_decode_computes_locally(pd):
+    """vLLM applies a request's grammar from the first output token on; the prefill's token
+    would be prompt on decode, so a constrained decode request computes alone: its output
+    equals one instance's under the same constraint and nothing is pulled."""
+    prompt = _prompts(2, seed=8)[1]
+    constraint = {"structured_outputs": {"regex": "[0-9]{4,12}"}}
+    body = {**pd.body(prompt, MAX_TOKENS), **constraint}
+    ref = pd.decode.complete(body)["choices"][0]
+    assert ref["text"][:1].isdigit(), ref["text"]  # the constraint applies (at the start)
+    pre = pd.prefill.complete(
+        {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    )
+    pulls = pd.decode.metrics().get("hybrid_pd_kv_pulls_total", 0)
+    out = pd.decode.complete({**body, "kv_transfer_params": pre["kv_transfer_params"]})
+    assert out["choices"][0]["token_ids"] == ref["token_ids"]
+    assert pd.decode.metrics().get("hybrid_pd_kv_pulls_total", 0) == pulls
+
+
 def test_hybrid_pd_proxy_serves_a_vllm_pool(pd):
     """hybrid-pd's own proxy in front of the two vLLM servers, each behind a VllmWorker
     (our Worker gRPC API relayed to vLLM's HTTP API): every prompt goes prefill -> decode

@@ -117,6 +117,10 @@ class SchedulerHalf:
             return "kv_transfer_params were made for another prompt (its digest differs)"
         if params.fingerprint != self.layout.fingerprint:
             return self._layout_difference(params)
+        if request.use_structured_output:
+            # vLLM's grammar for the request starts after the prompt, and the prefill's
+            # token is prompt here: it would be constrained as if it came first
+            return "structured output is computed here (the grammar would miss the first token)"
         sampling = request.sampling_params
         if _replies_first_token(request) and sampling is not None and sampling.logprobs is not None:
             # the prefill's params carry its first token, not that token's logprobs
