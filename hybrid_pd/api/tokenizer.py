@@ -41,6 +41,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what the grammar library reads)."""
+        return self._tok.to_str()
+
     def encode(self, text: str) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token:
