@@ -64,8 +64,11 @@ class Tokenizer:
             return text
         return self._tok.id_to_token(token_id) or f"<token {token_id}>"
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """Render chat messages to a prompt string (with the generation prompt appended)."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None = None
+    ) -> str:
+        """Render chat messages to a prompt string (with the generation prompt appended);
+        `tools`: the declared tools, for templates that describe them to the model."""
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError("each message needs a 'role' and a 'content'")
@@ -79,6 +82,7 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(
             messages=messages,
             add_generation_prompt=True,
+            tools=tools,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
