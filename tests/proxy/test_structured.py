@@ -122,6 +122,8 @@ def test_json_schema_pd_equals_one_engine(client, pd_proxy, reference, workers):
     assert text == want.text
     routes = httpx.get(pd_proxy.url + "/metrics").text
     assert metric(routes, 'hybrid_pd_proxy_routes_total{route="disaggregated"}') >= 2
+    # each stream finished on its decode leg: no failed leg was rescued by a migration
+    assert metric(routes, 'hybrid_pd_proxy_failures_total{kind="migrated"}') == 0
     assert_no_leaks(workers)
 
 
