@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from hybrid_pd.api.sampling import TokenLogprob
+from hybrid_pd.proxy.hermes import HermesStream, parse_calls
 from hybrid_pd.proxy.protocol import GenerationRequest
 from hybrid_pd.proxy.structured import new_call_id, tool_calls_of
 
@@ -62,6 +63,7 @@ class ResponseBuilder:
         #: calls is sent whole when it ends).
         self._call_ids: dict[int, str] = {}
         self._held: dict[int, str] = {}
+        self._hermes: dict[int, HermesStream] = {}
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -75,14 +77,7 @@ class ResponseBuilder:
             if self.req.prompt_only:
                 ids, logprobs, text = [], [] if logprobs is not None else None, ""
             if self.chat:
-                message: dict = {"role": "assistant", "content": text}
-                reason = c.reason
-                calls = None
-                if self.req.tools is not None and c.reason == "stop":
-                    calls = tool_calls_of(self.req.tools, text)
-                if calls is not None:
-                    message = {"role": "assistant", "content": None, "tool_calls": calls}
-                    reason = "tool_calls"
+                message, reason = self._message(text, c.reason)
                 item = {
                     "index": c.index,
                     "message": message,
@@ -111,6 +106,21 @@ class ResponseBuilder:
         produced = 0 if self.req.prompt_only else sum(len(c.token_ids) for c in choices)
         body["usage"] = usage(len(self.req.prompt_ids), produced)
         return body
+
+    def _message(self, text: str, reason: str) -> tuple[dict, str]:
+        """A whole chat choice's message and finish reason, tool calls parsed out."""
+        mode = self.req.tools
+        plain = {"role": "assistant", "content": text}
+        if mode is None:
+            return plain, reason
+        if mode.auto:
+            content, calls = parse_calls(text)
+        else:
+            content, calls = None, (tool_calls_of(mode, text) if reason == "stop" else None)
+        if not calls:
+            return plain, reason
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        return message, ("tool_calls" if reason == "stop" else reason)
 
     # -- streams ----------------------------------------------------------------------------
     def first_chunk(self) -> dict | None:
@@ -172,6 +182,18 @@ class ResponseBuilder:
         "required" holds the text back and sends the calls when the output ends. An output
         cut short (max_tokens) ends as plain content with its own reason."""
         mode = self.req.tools
+        if mode.auto:
+            stream = self._hermes.setdefault(index, HermesStream())
+            content = stream.push(text)
+            calls: list[dict] = []
+            if reason is not None:
+                rest, calls = stream.finish()
+                content += rest
+            delta: dict = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                reason = "tool_calls" if reason == "stop" else reason
+            return delta, reason
         if mode.name is not None:
             if index not in self._call_ids:
                 self._call_ids[index] = new_call_id()

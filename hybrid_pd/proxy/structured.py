@@ -8,6 +8,8 @@ one `Constraint` the workers apply, plus how the reply must present the output.
         parameters schema; the reply carries the output as that call's `arguments`
     tools + tool_choice "required"                               -> a JSON list of
         {"name", "parameters"} objects, one of the tools each; the reply's `tool_calls`
+    tools + tool_choice "auto" (or none given)                   -> no constraint; the
+        reply's `tool_calls` are the Hermes-format calls the model wrote, if any
 
 At most one of these may be given. Every constraint is compiled here (without a tokenizer,
 on the proxy's parsing threads) so a bad schema gets a 400 naming the field before any
@@ -35,9 +37,11 @@ MAX_TOOLS = 128
 @dataclass(frozen=True)
 class ToolMode:
     """The reply presents the output as tool calls. `name`: the forced function (the output
-    is its arguments); None: "required" (the output is a JSON list of calls)."""
+    is its arguments); None: "required" (the output is a JSON list of calls). `auto`: the
+    model may call tools in the Hermes format (`proxy/hermes.py`), nothing is forced."""
 
     name: str | None
+    auto: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,15 @@ def parse_structured(body: dict, kind: str) -> Structured:
         tools, c = _tool_choice(body.get("tool_choice"), declared, body)
         if c is not None:
             found.append(("tool_choice", c))
+    if tools is not None and tools.auto and found:
+        raise bad_request(
+            f"tool_choice 'auto' cannot be combined with {found[0][0]}", param="tool_choice"
+        )
     if len(found) > 1:
         names = ", ".join(n for n, _ in found)
         raise bad_request(f"give at most one output constraint, got {names}", param=found[1][0])
     if not found:
-        return Structured(declared=declared)
+        return Structured(tools=tools, declared=declared)
     param, constraint = found[0]
     try:
         constraint.check()
@@ -206,11 +214,7 @@ def _tool_choice(
     if tools is None:
         raise bad_request("tool_choice needs 'tools'", param=param)
     if choice == "auto":
-        raise bad_request(
-            "tool_choice 'auto' is not supported (it needs a model-specific tool-call "
-            "parser): use 'required' or name the function",
-            param=param,
-        )
+        return ToolMode(None, auto=True), None
     if choice == "required":
         items = [
             {

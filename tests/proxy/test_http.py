@@ -190,7 +190,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 @pytest.mark.parametrize(
     "extra, param, words",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "auto"),
+        ({"tools": [{"type": "function"}]}, "tools", "function"),
         ({"tool_choice": "auto"}, "tool_choice", "tool"),
         ({"functions": [{"name": "f"}]}, "functions", "tools"),
         ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
