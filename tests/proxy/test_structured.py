@@ -241,6 +241,7 @@ BAD_BODIES = [
     (_fmt({"name": "x"}), "response_format"),
     ({"response_format": {"type": "yaml"}}, "response_format"),
     (_fmt({"schema": {"$ref": "#/nope"}}), "response_format"),
+    (_fmt({"schema": {"type": "array", "uniqueItems": True}}), "response_format"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ({"structured_outputs": {"grammar": "start: x"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
