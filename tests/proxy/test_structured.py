@@ -136,6 +136,8 @@ def test_vllm_fields_and_regex_choice(client, reference):
         ({"structured_outputs": {"regex": code}}, Constraint("regex", code)),
         ({"guided_regex": mail}, Constraint("regex", mail)),
         ({"guided_choice": names}, Constraint.choice(names)),
+        # one token: the prefill worker's first token ends the request
+        ({"guided_choice": ["x", "y"]}, Constraint.choice(["x", "y"])),
         ({"structured_outputs": {"json": SCHEMA}}, Constraint.json_schema(SCHEMA)),
         ({"guided_json": json.dumps(SCHEMA)}, Constraint("json_schema", json.dumps(SCHEMA))),
         ({"response_format": {"type": "json_object"}}, Constraint("json_object")),
