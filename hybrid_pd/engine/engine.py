@@ -126,9 +126,8 @@ class Engine:
         )
         self.eos_token_ids = _eos_ids(hf_config, tokenizer)
         self.vocab_size = int((hf_config.get("text_config") or hf_config)["vocab_size"])
-        to_json = getattr(tokenizer, "to_json", None)
         self.grammars = GrammarCache(
-            to_json() if to_json else None, self.vocab_size, self.eos_token_ids
+            getattr(tokenizer, "to_json", None), self.vocab_size, self.eos_token_ids
         )
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}

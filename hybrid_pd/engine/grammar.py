@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -43,14 +43,14 @@ class GrammarCache:
 
     def __init__(
         self,
-        tokenizer_json: str | None,
+        tokenizer_json: Callable[[], str] | None,
         vocab_size: int,
         eos_token_ids: Sequence[int],
         capacity: int = CACHE_SIZE,
     ) -> None:
-        """`tokenizer_json`: the tokenizer's `tokenizer.json` text (None: no tokenizer, every
-        constraint is refused); `vocab_size`: the model's logits width (ids past the
-        tokenizer's are never allowed)."""
+        """`tokenizer_json`: gives the tokenizer's `tokenizer.json` text, asked once, at the
+        first compile (None: no tokenizer, every constraint is refused); `vocab_size`: the
+        model's logits width (ids past the tokenizer's are never allowed)."""
         self._json = tokenizer_json
         self._vocab = vocab_size
         self._eos = list(eos_token_ids)
@@ -66,9 +66,14 @@ class GrammarCache:
 
             if self._json is None:
                 raise ValueError("structured output needs a model with a tokenizer")
-            self._tokenizer = llguidance.LLTokenizer(
-                self._json, n_vocab=self._vocab, eos_token=self._eos or None
-            )
+            try:  # about a second for a 150k-token vocabulary
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._json(), n_vocab=self._vocab, eos_token=self._eos or None
+                )
+            except (ValueError, RuntimeError) as e:
+                raise ValueError(
+                    f"structured output is unavailable for this tokenizer: {e}"
+                ) from None
         return self._tokenizer
 
     def compile(self, constraint: Constraint) -> Grammar:

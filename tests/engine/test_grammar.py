@@ -214,3 +214,12 @@ def test_fuzzed_schemas_never_crash(loaded):
             out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=30, constraint=con))[0]
             assert out.finish_reason in ("stop", "length")
     assert refused and compiled
+
+
+def test_an_engine_without_a_tokenizer_refuses_constraints(loaded):
+    model, config, _ = loaded
+    engine = Engine(model, config, EngineConfig())
+    params = SamplingParams(max_tokens=5, constraint=Constraint("json_object"))
+    with pytest.raises(ValueError, match="needs a model with a tokenizer"):
+        engine.add_request([1, 2, 3], params)
+    assert not engine.has_unfinished()
