@@ -63,12 +63,12 @@ def test_every_output_validates_greedy_and_sampled(loaded):
     con = Constraint.json_schema(SCHEMA)
     rng = random.Random(0)
     requests = []
-    for i in range(64):  # sampled, one seed each
+    for i in range(192):  # sampled, one seed each
         params = SamplingParams(
             max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.95, seed=1000 + i, constraint=con
         )
         requests.append((tok.encode(f"person {i}: "), params))
-    for _ in range(24):  # greedy, a prompt each
+    for _ in range(48):  # greedy, a prompt each
         prompt = [rng.randrange(256) for _ in range(rng.randrange(3, 40))]
         requests.append((prompt, SamplingParams(max_tokens=MAX_TOKENS, constraint=con)))
     free = SamplingParams(max_tokens=24, ignore_eos=True)
