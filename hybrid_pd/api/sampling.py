@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybrid_pd.api.constraint import Constraint
+
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 #: Most alternatives a request may ask for per token (OpenAI's chat bound).
@@ -45,6 +47,8 @@ class SamplingParams:
     #: Log-probabilities of each prompt token after the first, with this many alternatives
     #: (None: off). Such a request computes its whole prompt (no prefix cache hit).
     prompt_logprobs: int | None = None
+    #: What the output must match (structured output), or None: unconstrained.
+    constraint: Constraint | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +79,8 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}"
                 )
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise ValueError("constraint must be a Constraint")
         if float(self.temperature) < MIN_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
         if float(self.top_p) < MIN_TOP_P:

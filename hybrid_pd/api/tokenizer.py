@@ -41,6 +41,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what the grammar library reads)."""
+        return self._tok.to_str()
+
     def encode(self, text: str) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos and self.bos_token:
@@ -60,8 +64,11 @@ class Tokenizer:
             return text
         return self._tok.id_to_token(token_id) or f"<token {token_id}>"
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """Render chat messages to a prompt string (with the generation prompt appended)."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None = None
+    ) -> str:
+        """Render chat messages to a prompt string (with the generation prompt appended);
+        `tools`: the declared tools, for templates that describe them to the model."""
         for m in messages:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError("each message needs a 'role' and a 'content'")
@@ -75,6 +82,7 @@ class Tokenizer:
         return env.from_string(self.chat_template).render(
             messages=messages,
             add_generation_prompt=True,
+            tools=tools,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )

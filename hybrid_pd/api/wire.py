@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hybrid_pd.api.card import ModelCard, ModelIdentity
+from hybrid_pd.api.constraint import Constraint
 from hybrid_pd.api.sampling import SamplingParams, TokenLogprob
 from hybrid_pd.proto import worker_pb2 as pb
 
@@ -20,6 +21,11 @@ def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        constraint=(
+            Constraint(msg.constraint.kind, msg.constraint.value)
+            if msg.HasField("constraint")
+            else None
+        ),
     )
 
 
@@ -36,6 +42,11 @@ def sampling_to_pb(p: SamplingParams) -> pb.Sampling:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
         prompt_logprobs=p.prompt_logprobs,
+        constraint=(
+            None
+            if p.constraint is None
+            else pb.Constraint(kind=p.constraint.kind, value=p.constraint.value)
+        ),
     )
 
 

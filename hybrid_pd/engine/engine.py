@@ -14,6 +14,7 @@ import torch
 from hybrid_pd.connector.base import KVConnector
 from hybrid_pd.engine import cpu_kernels
 from hybrid_pd.engine.batch import make_batch
+from hybrid_pd.engine.grammar import Grammar, GrammarCache, consume, is_done, mask_logits
 from hybrid_pd.engine.logprobs import logprobs_of, score_prompt
 from hybrid_pd.engine.request import Request, Status
 from hybrid_pd.engine.sampling import SamplingParams, make_generator, sample
@@ -125,6 +126,9 @@ class Engine:
         )
         self.eos_token_ids = _eos_ids(hf_config, tokenizer)
         self.vocab_size = int((hf_config.get("text_config") or hf_config)["vocab_size"])
+        self.grammars = GrammarCache(
+            getattr(tokenizer, "to_json", None), self.vocab_size, self.eos_token_ids
+        )
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}
         #: Steps that changed something (ran the model, started or ended a load).
@@ -142,6 +146,7 @@ class Engine:
         remote_kv: Any = None,
         on_load_failure: str = "recompute",
         stage_token: str | None = None,
+        grammar: Grammar | None = None,
     ) -> str:
         """Queue a request; raises ValueError (and queues nothing) if it can never run.
 
@@ -157,8 +162,19 @@ class Engine:
         `stage_token` (prefill role, with `remote_decode`): a decode worker showing this
         token may follow the prefill and pull its computed blocks while it runs; the kept
         KV's transfer token is this one.
+
+        `grammar`: the params' constraint compiled already (`self.grammars.compile`, which
+        a worker calls off the engine thread); without it a constrained request is
+        compiled here. The request's matcher replays `output_ids` (ValueError when they
+        break the constraint).
         """
         req = self._new_request(prompt_ids, params, request_id, output_ids)
+        if params.constraint is not None:
+            if grammar is None or grammar.constraint != params.constraint:
+                grammar = self.grammars.compile(params.constraint)
+            req.matcher = grammar.matcher()
+            if not self._sync_grammar(req):
+                raise ValueError("the tokens already generated do not match the constraint")
         if remote_decode and self.connector.scheduler is None:
             raise ValueError("remote_decode needs an engine with a prefill connector")
         if stage_token and not (remote_decode and hasattr(self.connector.scheduler, "stage_begin")):
@@ -290,7 +306,11 @@ class Engine:
             last = batch.last_token_indices()[sampling]
             logits = self.model.compute_logits(hidden[last]).float()
             reqs = [sched.seqs[i].request for i in sampling]
-            tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            constrained = [j for j, r in enumerate(reqs) if r.matcher is not None]
+            picked = logits
+            if constrained:  # the raw logits stay for logprobs
+                picked = mask_logits(logits, constrained, [reqs[j].matcher for j in constrained])
+            tokens = sample(picked, [r.params for r in reqs], [r.generator for r in reqs])
             rows = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
             if rows:
                 values = logprobs_of(
@@ -309,6 +329,8 @@ class Engine:
             req = sched.seqs[i].request
             req.append_token(token, scored.get(j))
             self._check_stop_strings(req)
+            if req.matcher is not None:
+                self._advance_grammar(req)
             if req.finish_reason is None and req.remote_decode:
                 self._hand_over(req)
             elif req.finish_reason is not None:
@@ -360,11 +382,28 @@ class Engine:
             if req is not None:
                 req.load_result = res
             done = self.scheduler.finish_load(res.request_id, res.error, res.first_token)
+            if req is not None and req.matcher is not None and done is None:
+                self._sync_grammar(req)  # a staged load brought the first token
             if done is not None:
                 self.requests.pop(done.request_id, None)
                 if done.finish_reason == "error":
                     outputs.append(self._output(done))
         return len(results), outputs
+
+    def _sync_grammar(self, req: Request) -> bool:
+        """Feed the request's matcher the output tokens it has not seen (replayed ones: a
+        prefill worker's first token, a migrated stream's tokens). False if they break it."""
+        ok = consume(req.matcher, req.output_ids[req.matched :])
+        req.matched = len(req.output_ids)
+        return ok
+
+    def _advance_grammar(self, req: Request) -> None:
+        """After a sampled token: the request ends ("stop") where its grammar does."""
+        if not self._sync_grammar(req):
+            req.finish_reason = req.finish_reason or "error"
+            req.error = req.error or "the sampled token broke the constraint"
+        elif req.finish_reason is None and is_done(req.matcher):
+            req.finish_reason = "stop"
 
     def _check_stop_strings(self, req: Request) -> None:
         if not req.params.stop or self.tokenizer is None or req.finish_reason:

@@ -53,6 +53,10 @@ class Request:
     #: sampled elsewhere), and one per prompt token (the first is always None).
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    #: Structured output: the request's grammar matcher (engine.grammar), and how many of
+    #: its output tokens the matcher has consumed.
+    matcher: Any = None
+    matched: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_ids:

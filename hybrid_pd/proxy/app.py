@@ -187,7 +187,9 @@ def build_app(config: ProxyConfig, pool: WorkerPool) -> FastAPI:
             async for c, (delta, new, reason, logprobs) in _merged(choices):
                 produced += len(new)
                 if delta or reason or (builder.req.return_token_ids and new) or logprobs:
-                    yield sse(builder.chunk(delta, new, reason, logprobs, c.index))
+                    body = builder.chunk(delta, new, reason, logprobs, c.index)
+                    if body is not None:
+                        yield sse(body)
             if builder.req.include_usage:
                 yield sse(builder.usage_chunk(produced))
         except ProxyError as e:

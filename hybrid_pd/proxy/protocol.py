@@ -8,6 +8,8 @@ from typing import Any
 
 from hybrid_pd.api.sampling import INT64_MAX, SamplingParams
 from hybrid_pd.proxy.errors import ProxyError, bad_request
+from hybrid_pd.proxy.structured import FIELDS as STRUCTURED_FIELDS
+from hybrid_pd.proxy.structured import Structured, ToolMode, parse_structured
 
 #: Sampling fields a SamplingParams error message starts with (to name the bad `param`).
 _PARAM_NAMES = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop_token_ids", "stop")
@@ -21,21 +23,20 @@ _COMMON_FIELDS = frozenset(
         "presence_penalty", "frequency_penalty", "logit_bias", "user", "metadata", "store",
         "service_tier",
     }
-)  # fmt: skip
+) | STRUCTURED_FIELDS  # fmt: skip
 _FIELDS = {
     "completion": _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"},
     "chat": _COMMON_FIELDS
     | {
         "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-        "parallel_tool_calls", "functions", "function_call", "response_format", "modalities",
+        "parallel_tool_calls", "functions", "function_call", "modalities",
         "audio", "prediction", "reasoning_effort", "web_search_options",
     },
 }  # fmt: skip
 #: Chat features this server does not have, refused when asked for (never silently ignored).
 _UNSUPPORTED_CHAT = {
-    "tools": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
+    "functions": "the legacy 'functions' field is not supported: use 'tools'",
+    "function_call": "the legacy 'function_call' field is not supported: use 'tool_choice'",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
@@ -62,14 +63,6 @@ def _check_fields(body: dict, kind: str) -> None:
     for name, why in _UNSUPPORTED_CHAT.items():
         if body.get(name) not in (None, [], {}):
             raise bad_request(why, param=name)
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad_request("tool calling is not supported", param="tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad_request(
-            "response_format other than {'type': 'text'} is not supported (no structured output)",
-            param="response_format",
-        )
     modalities = body.get("modalities")
     if modalities is not None and modalities != ["text"]:
         raise bad_request("only the text modality is supported", param="modalities")
@@ -100,6 +93,8 @@ class GenerationRequest:
     echo: bool = False
     #: max_tokens 0 with echo: score the prompt only (one token is generated, not shown).
     prompt_only: bool = False
+    #: Chat with forced tool calls: the reply presents the output as `tool_calls`.
+    tools: ToolMode | None = None
 
 
 def check_model(body: dict, ctx: ModelContext) -> str:
@@ -146,6 +141,7 @@ def parse_completion(body: Any, ctx: ModelContext) -> GenerationRequest:
         ctx,
         prompt_ids,
         16 if max_tokens is None else max(max_tokens, int(prompt_only)),
+        parse_structured(body, "completion"),
         logprobs=logprobs,
         prompt_logprobs=logprobs if echo else None,
     )
@@ -165,8 +161,9 @@ def parse_chat(body: Any, ctx: ModelContext) -> GenerationRequest:
         raise bad_request("this model has no tokenizer: use /v1/completions with token ids")
     rendered = [_message(m, i) for i, m in enumerate(messages)]
     _check_text_length(sum(len(m["content"]) for m in rendered), ctx, "messages")
+    structured = parse_structured(body, "chat")
     try:
-        text = ctx.tokenizer.apply_chat_template(rendered)
+        text = ctx.tokenizer.apply_chat_template(rendered, tools=structured.declared)
     except Exception as e:  # jinja errors, raise_exception() in the template
         raise bad_request(f"cannot apply the chat template: {e}", param="messages") from e
     prompt_ids = _check_ids(ctx.tokenizer.encode(text), ctx, "messages")
@@ -183,7 +180,7 @@ def parse_chat(body: Any, ctx: ModelContext) -> GenerationRequest:
         raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
     else:
         logprobs = None
-    return _request("chat", body, ctx, prompt_ids, max_tokens, logprobs=logprobs)
+    return _request("chat", body, ctx, prompt_ids, max_tokens, structured, logprobs=logprobs)
 
 
 def _request(
@@ -192,6 +189,7 @@ def _request(
     ctx: ModelContext,
     prompt_ids: list[int],
     max_tokens: int,
+    structured: Structured,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
 ) -> GenerationRequest:
@@ -244,6 +242,7 @@ def _request(
             ignore_eos=bool(_opt_bool(body, "ignore_eos")),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            constraint=structured.constraint,
         )
     except ValueError as e:
         msg = str(e)
@@ -272,6 +271,7 @@ def _request(
         include_usage,
         bool(_opt_bool(body, "return_token_ids")),
         n,
+        tools=structured.tools,
     )
 
 
@@ -324,8 +324,9 @@ def _check_ids(ids: list[int], ctx: ModelContext, param: str) -> list[int]:
     return ids
 
 
-def _message(m: Any, i: int) -> dict[str, str]:
-    """Only what the template renders: a known role and text content."""
+def _message(m: Any, i: int) -> dict[str, Any]:
+    """Only what the template renders: a known role and text content (an assistant's
+    earlier tool calls and a tool result's call id too, for templates that show them)."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad_request(f"messages[{i}] needs a string 'role'", param="messages")
     if m["role"] not in ROLES:
@@ -333,12 +334,35 @@ def _message(m: Any, i: int) -> dict[str, str]:
             f"messages[{i}].role must be one of {', '.join(ROLES)}; got {m['role']!r}",
             param="messages",
         )
-    if m.get("tool_calls"):
-        raise bad_request(f"messages[{i}]: tool calls are not supported", param="messages")
     unknown = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
     if unknown:
         raise bad_request(f"messages[{i}]: unknown field(s) {unknown}", param="messages")
-    return {"role": m["role"], "content": _content(m.get("content"), i)}
+    out: dict[str, Any] = {"role": m["role"], "content": _content(m.get("content"), i)}
+    calls = m.get("tool_calls")
+    if calls:
+        if m["role"] != "assistant" or not isinstance(calls, list):
+            raise bad_request(
+                f"messages[{i}]: tool_calls must be a list, on an assistant message",
+                param="messages",
+            )
+        out["tool_calls"] = [_past_call(c, i) for c in calls]
+    if isinstance(m.get("tool_call_id"), str):
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _past_call(c: Any, i: int) -> dict:
+    fn = c.get("function") if isinstance(c, dict) else None
+    if (
+        not isinstance(fn, dict)
+        or not isinstance(fn.get("name"), str)
+        or not isinstance(fn.get("arguments"), str)
+    ):
+        raise bad_request(
+            f"messages[{i}]: each tool call needs function.name and function.arguments strings",
+            param="messages",
+        )
+    return {"id": c.get("id"), "type": "function", "function": dict(fn)}
 
 
 def _content(content: Any, i: int) -> str:

@@ -8,7 +8,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from hybrid_pd.api.sampling import TokenLogprob
+from hybrid_pd.proxy.hermes import HermesStream, parse_calls
 from hybrid_pd.proxy.protocol import GenerationRequest
+from hybrid_pd.proxy.structured import new_call_id, tool_calls_of
 
 
 def new_id(kind: str) -> str:
@@ -56,6 +58,12 @@ class ResponseBuilder:
         self.tokenizer = tokenizer
         #: Completions streams: characters sent so far per choice (logprobs' text_offset).
         self._offsets: dict[int, int] = {}
+        #: Streams with forced tool calls: per choice, the call id sent (a named function's
+        #: arguments stream as they come) or the text held back ("required": the list of
+        #: calls is sent whole when it ends).
+        self._call_ids: dict[int, str] = {}
+        self._held: dict[int, str] = {}
+        self._hermes: dict[int, HermesStream] = {}
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -69,11 +77,12 @@ class ResponseBuilder:
             if self.req.prompt_only:
                 ids, logprobs, text = [], [] if logprobs is not None else None, ""
             if self.chat:
+                message, reason = self._message(text, c.reason)
                 item = {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "logprobs": self._chat_logprobs(ids, logprobs),
-                    "finish_reason": c.reason,
+                    "finish_reason": reason,
                 }
             else:
                 lp = None
@@ -97,6 +106,21 @@ class ResponseBuilder:
         produced = 0 if self.req.prompt_only else sum(len(c.token_ids) for c in choices)
         body["usage"] = usage(len(self.req.prompt_ids), produced)
         return body
+
+    def _message(self, text: str, reason: str) -> tuple[dict, str]:
+        """A whole chat choice's message and finish reason, tool calls parsed out."""
+        mode = self.req.tools
+        plain = {"role": "assistant", "content": text}
+        if mode is None:
+            return plain, reason
+        if mode.auto:
+            content, calls = parse_calls(text)
+        else:
+            content, calls = None, (tool_calls_of(mode, text) if reason == "stop" else None)
+        if not calls:
+            return plain, reason
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        return message, ("tool_calls" if reason == "stop" else reason)
 
     # -- streams ----------------------------------------------------------------------------
     def first_chunk(self) -> dict | None:
@@ -124,8 +148,16 @@ class ResponseBuilder:
         reason: str | None,
         logprobs: list[TokenLogprob | None] | None = None,
         index: int = 0,
-    ) -> dict:
-        if self.chat:
+    ) -> dict | None:
+        """One chunk's body; None when it has nothing to send (text held back)."""
+        if self.chat and self.req.tools is not None:
+            delta, reason = self._tool_delta(text, reason, index)
+            if not delta and reason is None and logprobs is None and not self.req.return_token_ids:
+                return None
+            lp = self._chat_logprobs(token_ids, logprobs)
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            body = self._head("chat.completion.chunk")
+        elif self.chat:
             delta = {"content": text} if text or reason is None else {}
             lp = self._chat_logprobs(token_ids, logprobs)
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
@@ -144,6 +176,44 @@ class ResponseBuilder:
         if self.req.include_usage:
             body["usage"] = None
         return body
+
+    def _tool_delta(self, text: str, reason: str | None, index: int) -> tuple[dict, str | None]:
+        """A forced tool call's stream: a named function's arguments as deltas of one call;
+        "required" holds the text back and sends the calls when the output ends. An output
+        cut short (max_tokens) ends as plain content with its own reason."""
+        mode = self.req.tools
+        if mode.auto:
+            stream = self._hermes.setdefault(index, HermesStream())
+            content = stream.push(text)
+            calls: list[dict] = []
+            if reason is not None:
+                rest, calls = stream.finish()
+                content += rest
+            delta: dict = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                reason = "tool_calls" if reason == "stop" else reason
+            return delta, reason
+        if mode.name is not None:
+            if index not in self._call_ids:
+                self._call_ids[index] = new_call_id()
+                head = {"id": self._call_ids[index], "type": "function"}
+                fn = {"name": mode.name, "arguments": text}
+                delta = {"tool_calls": [{"index": 0, **head, "function": fn}]}
+            elif text:
+                delta = {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+            else:
+                delta = {}
+            return delta, ("tool_calls" if reason == "stop" else reason)
+        held = self._held.get(index, "") + text
+        if reason is None:
+            self._held[index] = held
+            return {}, None
+        self._held.pop(index, None)
+        calls = tool_calls_of(mode, held) if reason == "stop" else None
+        if calls is None:
+            return ({"content": held} if held else {}), reason
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, "tool_calls"
 
     def usage_chunk(self, completion_tokens: int) -> dict:
         body = self._head("chat.completion.chunk" if self.chat else "text_completion")

@@ -46,16 +46,27 @@ class RequestStream:
         self.queued = False
 
     async def open(self, *args, **kwargs) -> RequestId:
-        """Add the request (ValueError: refused, nothing queued). Its queue slot is taken
-        before the first await: the engine thread takes the request only after its current
-        step, and calls arriving meanwhile must already see the slot taken."""
+        """Add the request (`EngineLoop.submit` arguments: prompt ids, SamplingParams, ...;
+        ValueError: refused, nothing queued). Its queue slot is taken before the first
+        await: the engine thread takes the request only after its current step, and calls
+        arriving meanwhile must already see the slot taken. A constrained request's grammar
+        is compiled first, off the engine thread (ValueError when it does not compile)."""
         self.queued = True
         self.w.queued += 1
-        fut = self.w.loop.submit(*args, sink=self.sink, **kwargs)
+        fut = None
         try:
+            params = args[1]
+            if params.constraint is not None:
+                # compiled here, in a thread: a large schema never holds up the engine's
+                # steps (the cache makes a repeated one free)
+                grammars = self.w.loop.engine.grammars
+                kwargs["grammar"] = await asyncio.to_thread(grammars.compile, params.constraint)
+            fut = self.w.loop.submit(*args, sink=self.sink, **kwargs)
             self.request_id = RequestId(await asyncio.wrap_future(fut))
         except BaseException:
             self._unqueue()
+            if fut is None:
+                raise
             # Cancelled (the client left) after the engine took it: drop it there too.
             fut.add_done_callback(
                 lambda f: (

@@ -413,6 +413,14 @@ class _Servicer(pb_grpc.WorkerServicer):
 
 async def _sampling(msg: pb.Sampling, context) -> SamplingParams:
     try:
-        return sampling_from_pb(msg)
+        params = sampling_from_pb(msg)
     except ValueError as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    if params.constraint is not None:
+        # vLLM's decode server would have to replay the first token into its own grammar
+        # state; until that is checked exact, refuse rather than constrain half the output
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "structured output is not supported with --engine vllm",
+        )
+    return params

@@ -22,7 +22,8 @@ FIELDS = (
     "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream", "stream_options", "n",
     "logprobs", "top_logprobs", "echo", "ignore_eos", "return_token_ids", "tools",
     "tool_choice", "response_format", "logit_bias", "presence_penalty", "user", "tokens",
-    "suffix", "best_of", "unknown_field",
+    "suffix", "best_of", "unknown_field", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice",
 )  # fmt: skip
 
 # Integers at and past every wire type's edge, floats with their specials. This process

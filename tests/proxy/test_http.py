@@ -190,9 +190,10 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 @pytest.mark.parametrize(
     "extra, param, words",
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
+        ({"tools": [{"type": "function"}]}, "tools", "function"),
         ({"tool_choice": "auto"}, "tool_choice", "tool"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "structured"),
+        ({"functions": [{"name": "f"}]}, "functions", "tools"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
         ({"logit_bias": {"5": 10}}, "logit_bias", "logit_bias"),
         ({"modalities": ["audio"]}, "modalities", "text"),
         ({"frobnicate": 1}, "frobnicate", "unknown"),

@@ -183,3 +183,37 @@ def test_a_decode_worker_lost_during_staging_hands_over_to_another(tiny_path, ca
         handle.pool.close()
         for w in (prefill, *decodes):
             w.stop()
+
+
+def test_a_constrained_request_overlapped_equals_one_engine(overlap, reference):
+    """The staged decode leg starts without the first token: the load brings it, the
+    decode worker's matcher replays it, and the output is the single engine's."""
+    from hybrid_pd.api.constraint import Constraint
+
+    handle, prefill, decode = overlap
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 8}},
+        "required": ["n", "s"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(max_tokens=120, constraint=Constraint.json_schema(schema))
+    want = reference.generate([PROMPT], params)[0]
+    assert want.finish_reason == "stop" and len(want.token_ids) > 5
+    before = WorkerClient(decode.address, timeout_s=5).stats()["decode_connector"]
+    body = _body(max_tokens=120, ignore_eos=False, guided_json=schema)
+    rescues = [
+        f'hybrid_pd_proxy_failures_total{{kind="{k}"}}' for k in ("migrated", "staged_fallback")
+    ]
+    with httpx.Client(base_url=handle.url, timeout=60) as c:
+        before_text = c.get("/metrics").text
+        r = c.post("/v1/completions", json=body)
+        after_text = c.get("/metrics").text
+    # served by the staged leg itself, not rescued by a fallback leg or a migration
+    assert [metric(after_text, k) for k in rescues] == [metric(before_text, k) for k in rescues]
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == want.token_ids and choice["finish_reason"] == "stop"
+    after = WorkerClient(decode.address, timeout_s=5).stats()["decode_connector"]
+    assert after["staged_loads"] == before["staged_loads"] + 1
+    assert_no_leaks([prefill, decode])

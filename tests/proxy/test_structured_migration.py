@@ -1,0 +1,84 @@
+"""A constrained stream whose decode worker dies migrates: the proxy resends prompt + the
+tokens streamed so far, the new decode worker replays them into a fresh matcher and goes
+on; the client's stream is the single engine's output, valid under the schema."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import jsonschema
+import pytest
+
+from hybrid_pd.api.constraint import Constraint
+from hybrid_pd.engine.sampling import SamplingParams
+from tests.proxy.conftest import assert_no_leaks, make_proxy
+from tests.proxy.test_failures import metric
+from tests.proxy.test_resilience import fleet, prompt, stream_tokens  # noqa: F401
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+# A long string field: the output runs hundreds of tokens, so the kill lands mid-stream.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0},
+        "story": {"type": "string", "minLength": 200, "maxLength": 240},
+    },
+    "required": ["id", "story"],
+    "additionalProperties": False,
+}
+MAX_TOKENS = 2000
+
+
+def test_constrained_stream_survives_its_decode_worker(fleet, tiny_path, reference):  # noqa: F811
+    pre, dec_a, dec_b = fleet.add_all(("prefill",), ("decode",), ("decode",))
+    proxy = make_proxy(
+        tiny_path,
+        prefill_addresses=(pre.address,),
+        decode_addresses=(dec_a.address, dec_b.address),
+    )
+    prompts = [prompt(300 + i, 48) for i in range(3)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, constraint=Constraint.json_schema(SCHEMA))
+    want = [reference.generate([p], params)[0] for p in prompts]
+    assert all(w.finish_reason == "stop" and len(w.token_ids) > 200 for w in want)
+    by_address = {dec_a.address: dec_a, dec_b.address: dec_b}
+
+    def body(p):
+        return {
+            "model": "tiny",
+            "prompt": p,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+            "guided_json": SCHEMA,
+        }
+
+    async def run():
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as c:
+            tasks = [asyncio.create_task(stream_tokens(c, body(p))) for p in prompts]
+            victim = None
+            for _ in range(200):  # wait until streams are open, then kill their worker
+                await asyncio.sleep(0.05)
+                busy = [w for w in proxy.pool.snapshot() if w["outstanding_decodes"] > 0]
+                if busy:
+                    victim = by_address[busy[0]["address"]]
+                    break
+            assert victim is not None, "no decode stream opened"
+            await asyncio.sleep(0.3)
+            victim.kill()
+            return await asyncio.gather(*tasks), victim
+
+    try:
+        results, victim = asyncio.run(run())
+        assert [e for _, e in results if e] == []
+        assert [ids for ids, _ in results] == [w.token_ids for w in want]
+        for w in want:
+            jsonschema.validate(json.loads(w.text), SCHEMA)
+        text = httpx.get(proxy.url + "/metrics").text
+        assert metric(text, 'hybrid_pd_proxy_failures_total{kind="migrated"}') >= 1
+    finally:
+        proxy.stop()
+    survivor = dec_b if victim is dec_a else dec_a
+    assert_no_leaks([pre, survivor])
