@@ -35,11 +35,11 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import project_heads
+from hybrid_pd.engine.models.attention import AttentionProjections
 from hybrid_pd.engine.models.backbone import RopeCausalLM
 from hybrid_pd.engine.models.common import RMSNorm, add_routed, config_int, load_checkpoint
 from hybrid_pd.engine.models.rope import cos_sin, norm_rotate, rope_settings
-from hybrid_pd.engine.onednn import FusedLinears, linear
+from hybrid_pd.engine.onednn import linear
 from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
@@ -106,17 +106,9 @@ class _Settings:
         return spec.window if isinstance(spec, SlidingWindowSpec) else None
 
 
-class Attention(nn.Module):
+class Attention(AttentionProjections):
     def __init__(self, s: _Settings, idx: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = s.attention_bias
-        self.q_proj = nn.Linear(s.hidden, q_out, bias=bias)
-        self.k_proj = nn.Linear(s.hidden, kv_out, bias=bias)
-        self.v_proj = nn.Linear(s.hidden, kv_out, bias=bias)
-        self.o_proj = nn.Linear(q_out, s.hidden, bias=bias)
-        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        super().__init__(s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, bias=s.attention_bias)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))
         self.layer_name = f"model.layers.{idx}"
         self.scale = self.head_dim**-0.5
@@ -126,7 +118,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = project_heads(self._qkv, x, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
         q, k = norm_rotate(q, cos, sin), norm_rotate(k, cos, sin)
         out = paged_attention(
             self.layer_name, q, k, v, batch, scale=self.scale, window=self.window, sinks=self.sinks

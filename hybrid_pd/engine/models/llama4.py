@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import project_heads
+from hybrid_pd.engine.models.attention import AttentionProjections
 from hybrid_pd.engine.models.backbone import RopeCausalLM
 from hybrid_pd.engine.models.common import (
     GatedMLP,
@@ -54,7 +54,7 @@ from hybrid_pd.engine.models.common import (
     load_checkpoint,
 )
 from hybrid_pd.engine.models.rope import rope_settings
-from hybrid_pd.engine.onednn import FusedLinears, linear
+from hybrid_pd.engine.onednn import linear
 from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, ChunkedLocalSpec
@@ -188,17 +188,9 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(AttentionProjections):
     def __init__(self, s: _Settings, idx: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = s.attention_bias
-        self.q_proj = nn.Linear(s.hidden, q_out, bias=bias)
-        self.k_proj = nn.Linear(s.hidden, kv_out, bias=bias)
-        self.v_proj = nn.Linear(s.hidden, kv_out, bias=bias)
-        self.o_proj = nn.Linear(q_out, s.hidden, bias=bias)
-        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        super().__init__(s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, bias=s.attention_bias)
         self.layer_name = f"model.layers.{idx}"
         self.scale = self.head_dim**-0.5
         self.use_rope = s.use_rope[idx]
@@ -212,7 +204,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = project_heads(self._qkv, x, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
         if self.use_rope:
             q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         if self.qk_norm_eps is not None:
