@@ -5,7 +5,7 @@ round them to bfloat16 (transformers keeps them in float32 too)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,50 @@ class RopeCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.run(batch, self._tables)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head.weight)
+
+
+class LayerStack(nn.Module):
+    """Embedding, decoder layers, final norm under the names Bamba, Jamba and Falcon-H1
+    checkpoints use: ``embed_tokens``, ``layers.{i}``, ``final_layernorm``."""
+
+    def __init__(
+        self, vocab: int, hidden: int, layers: Iterable[nn.Module], final_norm: nn.Module
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(layers)
+        self.final_layernorm = final_norm
+
+
+class StackCausalLM(nn.Module):
+    """A causal LM over a `LayerStack` (``model``) and, unless the embedding is tied,
+    ``lm_head``. Each layer is called as ``layer(x, *self.layer_inputs(batch, x))``;
+    `settings` carries vocab, hidden and tie."""
+
+    def __init__(self, settings, layers: Iterable[nn.Module], final_norm: nn.Module) -> None:
+        super().__init__()
+        self.settings = s = settings
+        self.model = LayerStack(s.vocab, s.hidden, layers, final_norm)
+        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
+
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        embed = self.model.embed_tokens
+        return embed(batch.input_ids.to(embed.weight.device))
+
+    def layer_inputs(self, batch: ForwardBatch, x: torch.Tensor) -> tuple:
+        """What every layer takes after the hidden states (here: the batch)."""
+        return (batch,)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed(batch)
+        inputs = self.layer_inputs(batch, x)
+        for layer in self.model.layers:
+            x = layer(x, *inputs)
+        return self.model.final_layernorm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head

@@ -17,16 +17,15 @@ after its conv, scan chunks of at most ``mamba_chunk_size`` tokens and ``time_st
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
+from hybrid_pd.engine.models.backbone import StackCausalLM
 from hybrid_pd.engine.models.common import (
     DecoderSettings,
     GatedMLP,
@@ -38,7 +37,6 @@ from hybrid_pd.engine.models.mamba2 import (
     Mamba2Dims,
     Mamba2Mixer,
     check_state_spec,
-    time_step_limit,
 )
 from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -65,27 +63,9 @@ class _Settings(DecoderSettings):
         n = _int(c, "num_hidden_layers", 32)
         self.specs: list[LayerSpec] = [specs[f"model.layers.{i}"] for i in range(n)]
 
-        heads = _int(c, "mamba_n_heads", 128)
         inner = int((c.get("mamba_expand") or 2) * self.hidden)
-        head_dim = c.get("mamba_d_head", "auto")
-        head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
-        if head_dim * heads != inner:
-            raise ValueError(
-                f"{_ARCH}: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden"
-            )
-        self.mamba = Mamba2Dims(
-            hidden=self.hidden,
-            heads=heads,
-            head_dim=head_dim,
-            groups=_int(c, "mamba_n_groups", 1),
-            state=_int(c, "mamba_d_state", 256),
-            conv_kernel=_int(c, "mamba_d_conv", 4),
-            chunk=_int(c, "mamba_chunk_size", 256),
-            eps=self.eps,
-            act=self.act,
-            conv_bias=bool(c.get("mamba_conv_bias", True)),
-            proj_bias=bool(c.get("mamba_proj_bias") or False),
-            dt_limit=time_step_limit(c.get("time_step_limit", (0.0, math.inf))),
+        self.mamba = Mamba2Dims.from_mamba_keys(
+            _ARCH, c, self.hidden, (inner, "mamba_expand * hidden"), self.eps, self.act
         )
         attn = [s for s in self.specs if isinstance(s, AttentionSpec)]
         self.head_dim = attn[0].head_dim if attn else 0
@@ -131,37 +111,22 @@ class DecoderLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class _Backbone(nn.Module):
-    def __init__(self, s: _Settings) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(len(s.specs)))
-        self.final_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
-        self.inv_freq, self.rope_scale = inverse_frequencies(s.rope, max(s.rotary_dim, 2))
-
-
-class BambaForCausalLM(nn.Module):
+class BambaForCausalLM(StackCausalLM):
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        self.settings = s = _Settings(config)
-        self.model = _Backbone(s)
-        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
+        s = _Settings(config)
+        layers = (DecoderLayer(s, i) for i in range(len(s.specs)))
+        super().__init__(s, layers, RMSNorm(s.hidden, s.eps, scale_after_cast=True))
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.model.inv_freq, self.model.rope_scale = inverse_frequencies(
+            s.rope, max(s.rotary_dim, 2)
+        )
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        embed = self.model.embed_tokens
-        x = embed(batch.input_ids.to(embed.weight.device))
+    def layer_inputs(self, batch: ForwardBatch, x: torch.Tensor) -> tuple:
         rot = None
         if self.settings.rotary_dim:
             positions = batch.positions.to(x.device)
             rot = cos_sin(self.model.inv_freq, positions, self.model.rope_scale, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, batch, rot)
-        return self.model.final_layernorm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight)
+        return batch, rot
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -29,7 +29,6 @@ layer has attention, Mamba2 and the MLP).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -39,6 +38,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
+from hybrid_pd.engine.models.backbone import StackCausalLM
 from hybrid_pd.engine.models.common import (
     DecoderSettings,
     RMSNorm,
@@ -51,7 +51,6 @@ from hybrid_pd.engine.models.mamba2 import (
     Mamba2Mixer,
     as_float,
     check_state_spec,
-    time_step_limit,
 )
 from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -110,26 +109,10 @@ class _Settings(DecoderSettings):
             if not isinstance(a, AttentionSpec) or not isinstance(m, StateSpec):
                 raise ValueError(f"{_ARCH}: layer {i} has unexpected cache specs {a!r}, {m!r}")
 
-        heads = _int(c, "mamba_n_heads", 128)
         inner = c.get("mamba_d_ssm", 1024)
         inner = int((c.get("mamba_expand") or 2) * self.hidden) if inner is None else int(inner)
-        head_dim = c.get("mamba_d_head", "auto")
-        head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
-        if head_dim * heads != inner:
-            raise ValueError(f"{_ARCH}: mamba_n_heads * mamba_d_head must equal mamba_d_ssm")
-        self.mamba = Mamba2Dims(
-            hidden=self.hidden,
-            heads=heads,
-            head_dim=head_dim,
-            groups=_int(c, "mamba_n_groups", 1),
-            state=_int(c, "mamba_d_state", 256),
-            conv_kernel=_int(c, "mamba_d_conv", 4),
-            chunk=_int(c, "mamba_chunk_size", 256),
-            eps=self.eps,
-            act=self.act,
-            conv_bias=bool(c.get("mamba_conv_bias", True)),
-            proj_bias=bool(c.get("mamba_proj_bias") or False),
-            dt_limit=time_step_limit(c.get("time_step_limit", (0.0, math.inf))),
+        self.mamba = Mamba2Dims.from_mamba_keys(
+            _ARCH, c, self.hidden, (inner, "mamba_d_ssm"), self.eps, self.act
         )
         self.head_dim = self.attn_specs[0].head_dim
         self.rope = rope_settings(c, _ARCH)
@@ -223,35 +206,23 @@ class DecoderLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class _Backbone(nn.Module):
-    def __init__(self, s: _Settings) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_layers))
-        self.final_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
-        self.inv_freq, self.rope_scale = inverse_frequencies(s.rope, s.head_dim)
-
-
-class FalconH1ForCausalLM(nn.Module):
+class FalconH1ForCausalLM(StackCausalLM):
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        self.settings = s = _Settings(config)
-        self.model = _Backbone(s)
-        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
+        s = _Settings(config)
+        layers = (DecoderLayer(s, i) for i in range(s.num_layers))
+        super().__init__(s, layers, RMSNorm(s.hidden, s.eps, scale_after_cast=True))
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.model.inv_freq, self.model.rope_scale = inverse_frequencies(s.rope, s.head_dim)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        embed = self.model.embed_tokens
-        x = embed(batch.input_ids.to(embed.weight.device)) * self.settings.embedding_mult
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        return super().embed(batch) * self.settings.embedding_mult
+
+    def layer_inputs(self, batch: ForwardBatch, x: torch.Tensor) -> tuple:
         positions = batch.positions.to(x.device)
-        rot = cos_sin(self.model.inv_freq, positions, self.model.rope_scale, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, batch, rot)
-        return self.model.final_layernorm(x)
+        return batch, cos_sin(self.model.inv_freq, positions, self.model.rope_scale, x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight) * self.settings.lm_head_mult
+        return super().compute_logits(hidden) * self.settings.lm_head_mult
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

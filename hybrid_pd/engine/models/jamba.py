@@ -21,11 +21,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
+from hybrid_pd.engine.models.backbone import StackCausalLM
 from hybrid_pd.engine.models.common import (
     DecoderSettings,
     GatedMLP,
@@ -128,31 +128,11 @@ class DecoderLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class _Backbone(nn.Module):
-    def __init__(self, s: _Settings) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(len(s.specs)))
-        self.final_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-
-
-class JambaForCausalLM(nn.Module):
+class JambaForCausalLM(StackCausalLM):
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        self.settings = s = _Settings(config)
-        self.model = _Backbone(s)
-        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        embed = self.model.embed_tokens
-        x = embed(batch.input_ids.to(embed.weight.device))
-        for layer in self.model.layers:
-            x = layer(x, batch)
-        return self.model.final_layernorm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight)
+        s = _Settings(config)
+        layers = (DecoderLayer(s, i) for i in range(len(s.specs)))
+        super().__init__(s, layers, RMSNorm(s.hidden, s.eps, scale_after_cast=True))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
