@@ -61,6 +61,45 @@ class AttentionProjections(nn.Module):
         return project_heads(self._qkv, x, self.num_heads, self.num_kv_heads, self.head_dim)
 
 
+class RotaryAttention(AttentionProjections):
+    """Attention over the layer's (cos, sin) tables: q and k each through an optional
+    per-head norm (`q_norm`, `k_norm`) and RoPE (`rope.norm_rotate`), a sliding `window` or
+    none, optional per-head `sinks` (gpt-oss); the layer is ``model.layers.{layer_idx}``.
+    A subclass sets the norms or sinks after this constructor (None here)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_idx: int,
+        *,
+        scale: float,
+        window: int | None,
+        bias: bool = False,
+        o_bias: bool | None = None,
+    ) -> None:
+        super().__init__(hidden, num_heads, num_kv_heads, head_dim, bias=bias, o_bias=o_bias)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        self.sinks: torch.Tensor | None = None
+        self.layer_name = f"model.layers.{layer_idx}"
+        self.scale = scale
+        self.window = window
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.project(x)
+        q, k = norm_rotate(q, cos, sin, self.q_norm), norm_rotate(k, cos, sin, self.k_norm)
+        out = paged_attention(
+            self.layer_name, q, k, v, batch, scale=self.scale, window=self.window, sinks=self.sinks
+        )
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
 class PagedSelfAttention(AttentionProjections):
     """Checkpoint names: q_proj, k_proj, v_proj, o_proj. `spec` is the layer's cache spec:
     the KV heads and head dim come from it, so attention reads what the cache keeps."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.common import RMSNorm, load_checkpoint
 from hybrid_pd.engine.models.rope import RopeSettings, inverse_frequencies
 
 #: (inv_freq, positions, rope_scale, dtype) -> (cos, sin), the tables every layer receives.
@@ -101,9 +102,18 @@ class StackCausalLM(nn.Module):
     ``lm_head``. Each layer is called as ``layer(x, *self.layer_inputs(batch, x))``;
     `settings` carries vocab, hidden and tie."""
 
-    def __init__(self, settings, layers: Iterable[nn.Module], final_norm: nn.Module) -> None:
+    #: The architecture's name (in load errors) and the checkpoint tensors `load_weights`
+    #: skips (any whose name holds one of these).
+    arch: str = ""
+    ignored: tuple[str, ...] = ()
+
+    def __init__(self, settings, make_layer: Callable[[int], nn.Module], num_layers: int) -> None:
+        """`settings` carries vocab, hidden, eps and tie; the final norm is an RMSNorm
+        scaled after the cast back."""
         super().__init__()
         self.settings = s = settings
+        layers = (make_layer(i) for i in range(num_layers))
+        final_norm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
         self.model = LayerStack(s.vocab, s.hidden, layers, final_norm)
         self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
 
@@ -125,3 +135,13 @@ class StackCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, head.weight)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the checkpoint's tensors in under their own names, but the `ignored` ones
+        (see `load_checkpoint`)."""
+
+        def convert(key: str, tensor: torch.Tensor):
+            return () if any(part in key for part in self.ignored) else ((key, tensor),)
+
+        load_checkpoint(self, weights, self.arch, convert)

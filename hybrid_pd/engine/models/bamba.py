@@ -17,7 +17,7 @@ after its conv, scan chunks of at most ``mamba_chunk_size`` tokens and ``time_st
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -31,7 +31,6 @@ from hybrid_pd.engine.models.common import (
     GatedMLP,
     RMSNorm,
     config_int,
-    load_checkpoint,
 )
 from hybrid_pd.engine.models.mamba2 import (
     Mamba2Dims,
@@ -112,10 +111,11 @@ class DecoderLayer(nn.Module):
 
 
 class BambaForCausalLM(StackCausalLM):
+    arch, ignored = _ARCH, _IGNORED
+
     def __init__(self, config: dict) -> None:
         s = _Settings(config)
-        layers = (DecoderLayer(s, i) for i in range(len(s.specs)))
-        super().__init__(s, layers, RMSNorm(s.hidden, s.eps, scale_after_cast=True))
+        super().__init__(s, lambda i: DecoderLayer(s, i), len(s.specs))
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.model.inv_freq, self.model.rope_scale = inverse_frequencies(
             s.rope, max(s.rotary_dim, 2)
@@ -127,12 +127,3 @@ class BambaForCausalLM(StackCausalLM):
             positions = batch.positions.to(x.device)
             rot = cos_sin(self.model.inv_freq, positions, self.model.rope_scale, x.dtype)
         return batch, rot
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the checkpoint's tensors in (see `load_checkpoint`)."""
-
-        def convert(key: str, tensor: torch.Tensor):
-            return () if any(part in key for part in _IGNORED) else ((key, tensor),)
-
-        load_checkpoint(self, weights, _ARCH, convert)

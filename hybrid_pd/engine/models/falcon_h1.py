@@ -29,7 +29,7 @@ layer has attention, Mamba2 and the MLP).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -44,9 +44,9 @@ from hybrid_pd.engine.models.common import (
     RMSNorm,
     activation,
     config_int,
-    load_checkpoint,
 )
 from hybrid_pd.engine.models.mamba2 import (
+    GatedRMSNorm,
     Mamba2Dims,
     Mamba2Mixer,
     as_float,
@@ -125,14 +125,8 @@ class _Settings(DecoderSettings):
         return torch.cat([torch.full((n,), m) for n, m in zip(sizes, self.ssm_mults, strict=True)])
 
 
-class NormThenGate(nn.Module):
+class NormThenGate(GatedRMSNorm):
     """Per-group RMSNorm of y, times its weight, then times silu(z) (norm before the gate)."""
-
-    def __init__(self, dim: int, group: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.group = group
-        self.eps = eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         g = y.float().unflatten(-1, (-1, self.group))
@@ -207,10 +201,11 @@ class DecoderLayer(nn.Module):
 
 
 class FalconH1ForCausalLM(StackCausalLM):
+    arch, ignored = _ARCH, _IGNORED
+
     def __init__(self, config: dict) -> None:
         s = _Settings(config)
-        layers = (DecoderLayer(s, i) for i in range(s.num_layers))
-        super().__init__(s, layers, RMSNorm(s.hidden, s.eps, scale_after_cast=True))
+        super().__init__(s, lambda i: DecoderLayer(s, i), s.num_layers)
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.model.inv_freq, self.model.rope_scale = inverse_frequencies(s.rope, s.head_dim)
 
@@ -223,12 +218,3 @@ class FalconH1ForCausalLM(StackCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) * self.settings.lm_head_mult
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the checkpoint's tensors in (see `load_checkpoint`)."""
-
-        def convert(key: str, tensor: torch.Tensor):
-            return () if any(part in key for part in _IGNORED) else ((key, tensor),)
-
-        load_checkpoint(self, weights, _ARCH, convert)

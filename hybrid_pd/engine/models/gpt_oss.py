@@ -35,12 +35,11 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import AttentionProjections
+from hybrid_pd.engine.models.attention import RotaryAttention
 from hybrid_pd.engine.models.backbone import RopeCausalLM
 from hybrid_pd.engine.models.common import RMSNorm, add_routed, config_int, load_checkpoint
-from hybrid_pd.engine.models.rope import cos_sin, norm_rotate, rope_settings
+from hybrid_pd.engine.models.rope import cos_sin, rope_settings
 from hybrid_pd.engine.onednn import linear
-from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
 
@@ -106,24 +105,19 @@ class _Settings:
         return spec.window if isinstance(spec, SlidingWindowSpec) else None
 
 
-class Attention(AttentionProjections):
+class Attention(RotaryAttention):
     def __init__(self, s: _Settings, idx: int) -> None:
-        super().__init__(s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, bias=s.attention_bias)
-        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
-        self.layer_name = f"model.layers.{idx}"
-        self.scale = self.head_dim**-0.5
-        self.window = s.window(s.specs[idx])
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.project(x)
-        q, k = norm_rotate(q, cos, sin), norm_rotate(k, cos, sin)
-        out = paged_attention(
-            self.layer_name, q, k, v, batch, scale=self.scale, window=self.window, sinks=self.sinks
+        super().__init__(
+            s.hidden,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            idx,
+            scale=s.head_dim**-0.5,
+            window=s.window(s.specs[idx]),
+            bias=s.attention_bias,
         )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
 
 
 class Experts(nn.Module):

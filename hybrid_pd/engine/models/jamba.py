@@ -131,8 +131,7 @@ class DecoderLayer(nn.Module):
 class JambaForCausalLM(StackCausalLM):
     def __init__(self, config: dict) -> None:
         s = _Settings(config)
-        layers = (DecoderLayer(s, i) for i in range(len(s.specs)))
-        super().__init__(s, layers, RMSNorm(s.hidden, s.eps, scale_after_cast=True))
+        super().__init__(s, lambda i: DecoderLayer(s, i), len(s.specs))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

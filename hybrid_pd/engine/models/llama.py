@@ -29,12 +29,11 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import AttentionProjections
+from hybrid_pd.engine.models.attention import RotaryAttention
 from hybrid_pd.engine.models.backbone import RopeBackbone
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, load_checkpoint
-from hybrid_pd.engine.models.rope import cos_sin, norm_rotate, rope_settings
+from hybrid_pd.engine.models.rope import cos_sin, rope_settings
 from hybrid_pd.engine.onednn import PackedWeights, packed_linear
-from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
 
@@ -113,29 +112,22 @@ class _Settings:
         return spec.window if isinstance(spec, SlidingWindowSpec) else None
 
 
-class Attention(AttentionProjections):
+class Attention(RotaryAttention):
     def __init__(self, s: _Settings, layer_idx: int) -> None:
-        qkv_bias, o_bias = s.flag(s.family.qkv_bias), s.flag(s.family.o_bias)
         super().__init__(
-            s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, bias=qkv_bias, o_bias=o_bias
+            s.hidden,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            layer_idx,
+            scale=s.head_dim**-0.5,
+            window=s.window(s.layers[layer_idx]),
+            bias=s.flag(s.family.qkv_bias),
+            o_bias=s.flag(s.family.o_bias),
         )
         if s.family.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, s.eps, scale_after_cast=True)
             self.k_norm = RMSNorm(self.head_dim, s.eps, scale_after_cast=True)
-        else:
-            self.q_norm = self.k_norm = None
-        self.layer_name = f"model.layers.{layer_idx}"
-        self.scale = self.head_dim**-0.5
-        self.window = s.window(s.layers[layer_idx])
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.project(x)
-        q, k = norm_rotate(q, cos, sin, self.q_norm), norm_rotate(k, cos, sin, self.k_norm)
-        out = paged_attention(self.layer_name, q, k, v, batch, scale=self.scale, window=self.window)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
