@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.connector import faults
@@ -60,6 +61,30 @@ class Lease:
     first_token: int = -1
     #: The staging epoch the blocks were computed under (0: the request was not staged).
     epoch: int = 0
+
+
+def handover_params(
+    side: Any,
+    request_id: str,
+    kept: tuple[tuple[int, ...], ...],
+    prompt_ids: Sequence[int],
+    first_token: int,
+    transfer_token: str,
+) -> KVTransferParams:
+    """What a prefill side (ours, or vLLM's scheduler half: anything with `engine_id`,
+    `control_address` and `layout`) hands out for a finished prompt whose blocks `kept` it
+    keeps under `transfer_token`."""
+    return KVTransferParams(
+        request_id=request_id,
+        block_ids=kept,
+        prompt_len=len(prompt_ids),
+        first_token=first_token,
+        engine_id=side.engine_id,
+        control_address=side.control_address,
+        fingerprint=side.layout.fingerprint,
+        transfer_token=transfer_token,
+        prompt_digest=prompt_digest(prompt_ids),
+    )
 
 
 class PrefillConnector(Staging):
@@ -135,16 +160,8 @@ class PrefillConnector(Staging):
         kept = tuple(tuple(b for b in g if b != NULL_BLOCK_ID) for g in block_ids)
         token = getattr(request, "stage_token", None) or secrets.token_urlsafe(32)
         self.keep(request.request_id, token, kept, first_token=request.output_ids[0])
-        params = KVTransferParams(
-            request_id=request.request_id,
-            block_ids=kept,
-            prompt_len=len(request.prompt_ids),
-            first_token=request.output_ids[0],
-            engine_id=self.engine_id,
-            control_address=self.control_address,
-            fingerprint=self.layout.fingerprint,
-            transfer_token=token,
-            prompt_digest=prompt_digest(request.prompt_ids),
+        params = handover_params(
+            self, request.request_id, kept, request.prompt_ids, request.output_ids[0], token
         )
         return True, params.to_dict()
 
