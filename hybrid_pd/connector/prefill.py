@@ -29,7 +29,7 @@ from hybrid_pd.connector.prefill_stage import Progress, PullResult, Stage, Stagi
 from hybrid_pd.connector.segments import PagedPlan, TransferPlan, group_regions, split_iov
 from hybrid_pd.connector.tp_plan import ShardedPlan
 from hybrid_pd.connector.watch import Watchers, wait_until
-from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
+from hybrid_pd.kvcache.ids import NULL_BLOCK_ID, EngineId, RequestId
 
 __all__ = ["DEFAULT_LEASE_S", "Lease", "PrefillConnector", "Progress", "PullResult"]
 
@@ -51,7 +51,7 @@ def _skipped(groups: Sequence[Sequence[int]], skip: Sequence[int]) -> Sequence[S
 
 @dataclass
 class Lease:
-    request_id: str
+    request_id: RequestId
     token: str
     block_ids: tuple[tuple[int, ...], ...]
     expires_at: float
@@ -65,7 +65,7 @@ class Lease:
 
 def handover_params(
     side: Any,
-    request_id: str,
+    request_id: RequestId,
     kept: tuple[tuple[int, ...], ...],
     prompt_ids: Sequence[int],
     first_token: int,
@@ -93,7 +93,7 @@ class PrefillConnector(Staging):
     def __init__(
         self,
         *,
-        engine_id: str,
+        engine_id: EngineId,
         layout: KVLayout,
         control_address: str,
         free_blocks: Callable[[str], None],
@@ -167,7 +167,7 @@ class PrefillConnector(Staging):
 
     def keep(
         self,
-        request_id: str,
+        request_id: RequestId,
         token: str,
         block_ids: tuple[tuple[int, ...], ...],
         first_token: int = -1,
@@ -201,7 +201,7 @@ class PrefillConnector(Staging):
         preemption, keep, release, abort, expiry, end. What KVControl's handlers await."""
         return self._watch
 
-    def settled(self, request_id: str) -> bool:
+    def settled(self, request_id: RequestId) -> bool:
         """Whether a pull for `request_id` can be answered now: its blocks are kept, or it
         ended (released, aborted, expired; a pull then fails at once)."""
         with self._lock:
@@ -212,13 +212,13 @@ class PrefillConnector(Staging):
         return min(self.keep_wait_s, timeout) if self.keep_wait_s > 0 else 0.0
 
     # -- control handlers -------------------------------------------------------------------
-    def _check_token(self, expected: str, token: str, request_id: str) -> None:
+    def _check_token(self, expected: str, token: str, request_id: RequestId) -> None:
         if not hmac.compare_digest(expected.encode(), token.encode()):
             self.stats["bad_token"] += 1
             logger.warning("rejected a KV call for %s: wrong transfer token", request_id)
             raise TransferFailed(f"wrong transfer token for request {request_id!r}")
 
-    def _lease(self, request_id: str, token: str) -> Lease:
+    def _lease(self, request_id: RequestId, token: str) -> Lease:
         lease = self._leases.get(request_id)
         if lease is None:
             raise TransferFailed(
@@ -229,7 +229,7 @@ class PrefillConnector(Staging):
 
     def pull(
         self,
-        request_id: str,
+        request_id: RequestId,
         token: str,
         dst_blocks: list[list[int]],
         peer: bytes,
@@ -294,7 +294,7 @@ class PrefillConnector(Staging):
         return plan
 
     def _messages(
-        self, plan, runs, message_regions, request_id: str, peer: bytes, tag: int
+        self, plan, runs, message_regions, request_id: RequestId, peer: bytes, tag: int
     ) -> list:
         """What the transport sends: the runs' regions, packed as the puller said (rows of
         the pools when the plan has them; fault injection works on region tensors)."""
@@ -314,7 +314,7 @@ class PrefillConnector(Staging):
         with self._lock:
             return dict(self.stats)
 
-    def release(self, request_id: str, token: str, reason: str = "released") -> None:
+    def release(self, request_id: RequestId, token: str, reason: str = "released") -> None:
         with self._lock:
             if (
                 reason == "aborted"
@@ -335,7 +335,7 @@ class PrefillConnector(Staging):
         if free_now:
             self._free(lease)
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: RequestId) -> bool:
         """Drop a kept request by id alone (trusted callers: the proxy's Abort)."""
         with self._lock:
             lease = self._leases.get(request_id)

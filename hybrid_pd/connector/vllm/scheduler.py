@@ -19,6 +19,7 @@ from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import handover_params
 from hybrid_pd.connector.vllm.clip import BlockClipper
 from hybrid_pd.connector.vllm.metadata import HybridPDHandshake, HybridPDMetadata, Load, Send
+from hybrid_pd.kvcache.ids import EngineId
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,7 +46,7 @@ class SchedulerHalf:
         *,
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
-        engine_id: str,
+        engine_id: EngineId,
         layout: KVLayout,
         clipper: BlockClipper,
         is_producer: bool,
