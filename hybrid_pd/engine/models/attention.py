@@ -7,6 +7,8 @@ every earlier token of the request.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -65,22 +67,13 @@ class RotaryAttention(AttentionProjections):
     """Attention over the layer's (cos, sin) tables: q and k each through an optional
     per-head norm (`q_norm`, `k_norm`) and RoPE (`rope.norm_rotate`), a sliding `window` or
     none, optional per-head `sinks` (gpt-oss); the layer is ``model.layers.{layer_idx}``.
-    A subclass sets the norms or sinks after this constructor (None here)."""
+    A subclass sets the norms or sinks after this constructor (None here); `projections`
+    are `AttentionProjections`' arguments, by name."""
 
     def __init__(
-        self,
-        hidden: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        layer_idx: int,
-        *,
-        scale: float,
-        window: int | None,
-        bias: bool = False,
-        o_bias: bool | None = None,
+        self, layer_idx: int, *, scale: float, window: int | None, **projections: Any
     ) -> None:
-        super().__init__(hidden, num_heads, num_kv_heads, head_dim, bias=bias, o_bias=o_bias)
+        super().__init__(**projections)
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         self.sinks: torch.Tensor | None = None

@@ -14,6 +14,7 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import RMSNorm, load_checkpoint
 from hybrid_pd.engine.models.rope import RopeSettings, inverse_frequencies
+from hybrid_pd.kvcache.specs import AttentionSpec, StateSpec
 
 #: (inv_freq, positions, rope_scale, dtype) -> (cos, sin), the tables every layer receives.
 RopeTables = Callable[
@@ -95,6 +96,47 @@ class LayerStack(nn.Module):
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = final_norm
+
+
+class MixerOrAttentionLayer(nn.Module):
+    """A Bamba or Jamba layer: ``input_layernorm``, then a Mamba mixer (``mamba``) or
+    attention (``self_attn``) as the layer's cache spec says, added; ``pre_ff_layernorm``
+    and ``feed_forward``, added. `mixer` / `attention` make the module for a state / an
+    attention layer from (layer name, spec); the layer's forward passes what follows the
+    batch to the attention only (Bamba's RoPE tables)."""
+
+    def __init__(
+        self,
+        s,
+        idx: int,
+        arch: str,
+        feed_forward: nn.Module,
+        mixer: Callable[[str, StateSpec], nn.Module],
+        attention: Callable[[str, AttentionSpec], nn.Module],
+    ) -> None:
+        super().__init__()
+        name = f"model.layers.{idx}"
+        spec = s.specs[idx]
+        self.input_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
+        self.pre_ff_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
+        self.feed_forward = feed_forward
+        if isinstance(spec, StateSpec):
+            self.mamba = mixer(name, spec)
+            self.self_attn = None
+        elif isinstance(spec, AttentionSpec):
+            self.self_attn = attention(name, spec)
+            self.mamba = None
+        else:
+            raise ValueError(f"{arch}: {name} has an unexpected cache spec {spec!r}")
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, *attention_inputs) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.mamba is not None:
+            h = self.mamba(h, batch)
+        else:
+            h = self.self_attn(h, batch, *attention_inputs)
+        x = x + h
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
 class StackCausalLM(nn.Module):

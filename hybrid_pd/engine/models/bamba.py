@@ -21,15 +21,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
-from hybrid_pd.engine.models.backbone import StackCausalLM
+from hybrid_pd.engine.models.backbone import MixerOrAttentionLayer, StackCausalLM
 from hybrid_pd.engine.models.common import (
     DecoderSettings,
     GatedMLP,
-    RMSNorm,
     config_int,
 )
 from hybrid_pd.engine.models.mamba2 import (
@@ -83,31 +81,20 @@ class _Settings(DecoderSettings):
         self.rotary_dim = int(self.head_dim * partial)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, s: _Settings, idx: int) -> None:
-        super().__init__()
-        name = f"model.layers.{idx}"
-        spec = s.specs[idx]
-        self.input_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        self.pre_ff_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        self.feed_forward = GatedMLP(s.hidden, s.intermediate, s.act, bias=s.mlp_bias)
-        if isinstance(spec, StateSpec):
-            check_state_spec(s.mamba, spec, name, _ARCH)
-            self.mamba = Mamba2Mixer(s.mamba, name)
-            self.self_attn = None
-        elif isinstance(spec, AttentionSpec):
-            self.self_attn = PagedSelfAttention(
-                name, s.hidden, s.num_heads, spec, bias=s.attn_bias, rotary_dim=s.rotary_dim
-            )
-            self.mamba = None
-        else:
-            raise ValueError(f"{_ARCH}: {name} has an unexpected cache spec {spec!r}")
+def _layer(s: _Settings, idx: int) -> MixerOrAttentionLayer:
+    """Attention (at ``attn_layer_indices``) or Mamba2, then a gated MLP."""
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        h = self.mamba(h, batch) if self.mamba is not None else self.self_attn(h, batch, cos_sin)
-        x = x + h
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+    def mixer(name: str, spec: StateSpec) -> Mamba2Mixer:
+        check_state_spec(s.mamba, spec, name, _ARCH)
+        return Mamba2Mixer(s.mamba, name)
+
+    def attention(name: str, spec: AttentionSpec) -> PagedSelfAttention:
+        return PagedSelfAttention(
+            name, s.hidden, s.num_heads, spec, bias=s.attn_bias, rotary_dim=s.rotary_dim
+        )
+
+    mlp = GatedMLP(s.hidden, s.intermediate, s.act, bias=s.mlp_bias)
+    return MixerOrAttentionLayer(s, idx, _ARCH, mlp, mixer, attention)
 
 
 class BambaForCausalLM(StackCausalLM):
@@ -115,7 +102,7 @@ class BambaForCausalLM(StackCausalLM):
 
     def __init__(self, config: dict) -> None:
         s = _Settings(config)
-        super().__init__(s, lambda i: DecoderLayer(s, i), len(s.specs))
+        super().__init__(s, lambda i: _layer(s, i), len(s.specs))
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.model.inv_freq, self.model.rope_scale = inverse_frequencies(
             s.rope, max(s.rotary_dim, 2)

@@ -118,13 +118,13 @@ def _inv_freq(params: Mapping[str, Any], head_dim: int) -> torch.Tensor:
 class Gemma3Attention(RotaryAttention):
     def __init__(self, s: _Settings, layer_idx: int, kind: str) -> None:
         super().__init__(
-            int(s.get("hidden_size")),
-            int(s.get("num_attention_heads")),
-            int(s.get("num_key_value_heads")),
-            int(s.get("head_dim")),
             layer_idx,
             scale=float(s.get("query_pre_attn_scalar")) ** -0.5,
             window=int(s.get("sliding_window")) if kind == SLIDING else None,
+            hidden=int(s.get("hidden_size")),
+            num_heads=int(s.get("num_attention_heads")),
+            num_kv_heads=int(s.get("num_key_value_heads")),
+            head_dim=int(s.get("head_dim")),
             bias=bool(s.get("attention_bias")),
         )
         eps = float(s.get("rms_norm_eps"))

@@ -108,13 +108,13 @@ class _Settings:
 class Attention(RotaryAttention):
     def __init__(self, s: _Settings, idx: int) -> None:
         super().__init__(
-            s.hidden,
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
             idx,
             scale=s.head_dim**-0.5,
             window=s.window(s.specs[idx]),
+            hidden=s.hidden,
+            num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
             bias=s.attention_bias,
         )
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))

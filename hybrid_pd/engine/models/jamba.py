@@ -23,13 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
-from hybrid_pd.engine.models.backbone import StackCausalLM
+from hybrid_pd.engine.models.backbone import MixerOrAttentionLayer, StackCausalLM
 from hybrid_pd.engine.models.common import (
     DecoderSettings,
     GatedMLP,
-    RMSNorm,
     add_routed,
     config_int,
     load_checkpoint,
@@ -101,37 +99,24 @@ class SparseMoE(nn.Module):
         return add_routed(torch.zeros_like(x), top_idx, contribution)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, s: _Settings, idx: int) -> None:
-        super().__init__()
-        name = f"model.layers.{idx}"
-        spec = s.specs[idx]
-        self.input_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        self.pre_ff_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        self.feed_forward = (
-            SparseMoE(s) if s.moe[idx] else GatedMLP(s.hidden, s.intermediate, s.act)
-        )
-        if isinstance(spec, StateSpec):
-            check_state_spec(s.mamba, spec, name, _ARCH)
-            self.mamba = Mamba1Mixer(s.mamba, name)
-            self.self_attn = None
-        elif isinstance(spec, AttentionSpec):
-            self.self_attn = PagedSelfAttention(name, s.hidden, s.num_heads, spec)
-            self.mamba = None
-        else:
-            raise ValueError(f"{_ARCH}: {name} has an unexpected cache spec {spec!r}")
+def _layer(s: _Settings, idx: int) -> MixerOrAttentionLayer:
+    """Mamba1 or attention, then a SwiGLU MLP or a MoE of them."""
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        h = self.mamba(h, batch) if self.mamba is not None else self.self_attn(h, batch)
-        x = x + h
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+    def mixer(name: str, spec: StateSpec) -> Mamba1Mixer:
+        check_state_spec(s.mamba, spec, name, _ARCH)
+        return Mamba1Mixer(s.mamba, name)
+
+    def attention(name: str, spec: AttentionSpec) -> PagedSelfAttention:
+        return PagedSelfAttention(name, s.hidden, s.num_heads, spec)
+
+    ff = SparseMoE(s) if s.moe[idx] else GatedMLP(s.hidden, s.intermediate, s.act)
+    return MixerOrAttentionLayer(s, idx, _ARCH, ff, mixer, attention)
 
 
 class JambaForCausalLM(StackCausalLM):
     def __init__(self, config: dict) -> None:
         s = _Settings(config)
-        super().__init__(s, lambda i: DecoderLayer(s, i), len(s.specs))
+        super().__init__(s, lambda i: _layer(s, i), len(s.specs))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

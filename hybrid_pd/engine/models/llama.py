@@ -115,13 +115,13 @@ class _Settings:
 class Attention(RotaryAttention):
     def __init__(self, s: _Settings, layer_idx: int) -> None:
         super().__init__(
-            s.hidden,
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
             layer_idx,
             scale=s.head_dim**-0.5,
             window=s.window(s.layers[layer_idx]),
+            hidden=s.hidden,
+            num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
             bias=s.flag(s.family.qkv_bias),
             o_bias=s.flag(s.family.o_bias),
         )
