@@ -80,6 +80,23 @@ class RopeCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.run(batch, self._tables)
 
+    #: The architecture's name, in load errors.
+    arch: str = ""
+
+    def convert(
+        self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """(our name, tensor) pairs for the checkpoint's tensor `name` (`params`: ours by
+        name); here the tensor under its own name."""
+        return ((name, tensor),)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the checkpoint's tensors in, each through `convert`; unknown names, wrong
+        shapes and missing weights raise (KeyError / ValueError), naming the tensor."""
+        params = dict(self.named_parameters())
+        load_checkpoint(self, weights, self.arch, lambda n, t: self.convert(n, t, params))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, head.weight)

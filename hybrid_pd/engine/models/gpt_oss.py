@@ -28,7 +28,7 @@ interleaving undone once, at load). MXFP4-quantized checkpoints (``*_blocks`` /
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -37,7 +37,12 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import RotaryAttention
 from hybrid_pd.engine.models.backbone import RopeCausalLM
-from hybrid_pd.engine.models.common import RMSNorm, add_routed, config_int, load_checkpoint
+from hybrid_pd.engine.models.common import (
+    RMSNorm,
+    add_routed,
+    check_transposed,
+    config_int,
+)
 from hybrid_pd.engine.models.rope import cos_sin, rope_settings
 from hybrid_pd.engine.onednn import linear
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -171,6 +176,8 @@ class DecoderLayer(nn.Module):
 
 
 class GptOssForCausalLM(RopeCausalLM):
+    arch = _ARCH
+
     def __init__(self, config: dict) -> None:
         s = _Settings(config)
         super().__init__(
@@ -182,43 +189,25 @@ class GptOssForCausalLM(RopeCausalLM):
             cos_sin,
         )
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing weights
-        raise (KeyError / ValueError), naming the tensor."""
-        params = dict(self.named_parameters())
-
-        def convert(key: str, tensor: torch.Tensor):
-            if key.endswith(_QUANTIZED_SUFFIXES):
-                raise NotImplementedError(
-                    f"{_ARCH}: {key!r} is MXFP4-quantized; the engine needs a checkpoint "
-                    "with plain (bfloat16 / float32) expert weights"
-                )
-            return ((key, _our_layout(key, tensor, params.get(key))),)
-
-        load_checkpoint(self, weights, _ARCH, convert)
+    def convert(self, key: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]):
+        if key.endswith(_QUANTIZED_SUFFIXES):
+            raise NotImplementedError(
+                f"{_ARCH}: {key!r} is MXFP4-quantized; the engine needs a checkpoint "
+                "with plain (bfloat16 / float32) expert weights"
+            )
+        return ((key, _our_layout(key, tensor, params.get(key))),)
 
 
 def _our_layout(key: str, tensor: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
     """A checkpoint expert tensor in our layout (other tensors unchanged). The checkpoint's
     shape is checked first, so a transposed tensor cannot slip through."""
     if key.endswith("experts.gate_up_proj"):  # [E, hidden, 2I], gate / up interleaved
-        _check_shape(key, tensor, param, (0, 2, 1))
+        check_transposed(_ARCH, key, tensor, param, (0, 2, 1))
         w = tensor.transpose(1, 2)
         return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
     if key.endswith("experts.gate_up_proj_bias"):  # [E, 2I], interleaved
         return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
     if key.endswith("experts.down_proj"):  # [E, I, hidden]
-        _check_shape(key, tensor, param, (0, 2, 1))
+        check_transposed(_ARCH, key, tensor, param, (0, 2, 1))
         return tensor.transpose(1, 2)
     return tensor
-
-
-def _check_shape(key, tensor, param, perm) -> None:
-    if param is None:
-        return  # copy_weight names the unexpected tensor
-    want = tuple(param.shape[p] for p in perm)
-    if tuple(tensor.shape) != want:
-        raise ValueError(
-            f"{_ARCH}: weight {key!r} has shape {tuple(tensor.shape)}, expected {want}"
-        )

@@ -36,7 +36,7 @@ parameters here keep those names but hold the expert matrices as [E, out, in] (t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -50,8 +50,8 @@ from hybrid_pd.engine.models.common import (
     RMSNorm,
     activation,
     add_routed,
+    check_transposed,
     config_int,
-    load_checkpoint,
 )
 from hybrid_pd.engine.models.rope import rope_settings
 from hybrid_pd.engine.onednn import linear
@@ -277,6 +277,8 @@ def _pair_tables(inv_freq, positions, rope_scale, dtype):
 
 
 class Llama4ForCausalLM(RopeCausalLM):
+    arch = _ARCH
+
     def __init__(self, config: dict) -> None:
         s = _Settings(config)
         super().__init__(
@@ -288,23 +290,13 @@ class Llama4ForCausalLM(RopeCausalLM):
             _pair_tables,
         )
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing weights
-        raise (KeyError / ValueError), naming the tensor."""
-        params = dict(self.named_parameters())
-
-        def convert(name: str, tensor: torch.Tensor):
-            if name.startswith(_IGNORED) or name.endswith(_IGNORED_SUFFIXES):
-                return ()
-            key = next(
-                (new + name[len(old) :] for old, new in _PREFIXES if name.startswith(old)), None
-            )
-            if key is None:
-                raise KeyError(f"{_ARCH}: unexpected weight {name!r}")
-            return ((key, _our_layout(name, key, tensor, params.get(key))),)
-
-        load_checkpoint(self, weights, _ARCH, convert)
+    def convert(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]):
+        if name.startswith(_IGNORED) or name.endswith(_IGNORED_SUFFIXES):
+            return ()
+        key = next((new + name[len(old) :] for old, new in _PREFIXES if name.startswith(old)), None)
+        if key is None:
+            raise KeyError(f"{_ARCH}: unexpected weight {name!r}")
+        return ((key, _our_layout(name, key, tensor, params.get(key))),)
 
 
 def _our_layout(name: str, key: str, tensor: torch.Tensor, param) -> torch.Tensor:
@@ -312,10 +304,5 @@ def _our_layout(name: str, key: str, tensor: torch.Tensor, param) -> torch.Tenso
     are. The checkpoint's shape is checked first, so a transposed tensor cannot slip through."""
     if not key.endswith(("experts.gate_up_proj", "experts.down_proj")):
         return tensor
-    if param is not None:
-        want = (param.shape[0], param.shape[2], param.shape[1])
-        if tuple(tensor.shape) != want:
-            raise ValueError(
-                f"{_ARCH}: weight {name!r} has shape {tuple(tensor.shape)}, expected {want}"
-            )
+    check_transposed(_ARCH, name, tensor, param, (0, 2, 1))
     return tensor.transpose(1, 2)
