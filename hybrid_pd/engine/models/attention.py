@@ -16,7 +16,12 @@ from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.rope import norm_rotate
 from hybrid_pd.engine.onednn import FusedLinears
 from hybrid_pd.engine.paged_attention import paged_attention
-from hybrid_pd.kvcache.specs import AttentionSpec
+from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
+
+
+def sliding_window(spec: AttentionSpec) -> int | None:
+    """The window of a sliding-window layer's spec; None for any other attention."""
+    return spec.window if isinstance(spec, SlidingWindowSpec) else None
 
 
 def project_heads(

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import RotaryAttention
+from hybrid_pd.engine.models.attention import RotaryAttention, sliding_window
 from hybrid_pd.engine.models.backbone import RopeCausalLM
 from hybrid_pd.engine.models.common import (
     RMSNorm,
@@ -46,7 +46,7 @@ from hybrid_pd.engine.models.common import (
 from hybrid_pd.engine.models.rope import cos_sin, rope_settings
 from hybrid_pd.engine.onednn import linear
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
-from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
+from hybrid_pd.kvcache.specs import AttentionSpec
 
 _ARCH = "gpt-oss"
 # GptOssConfig's RoPE when a config names none (transformers 5.24).
@@ -105,17 +105,13 @@ class _Settings:
                 f"num_key_value_heads {self.num_kv_heads}"
             )
 
-    @staticmethod
-    def window(spec: AttentionSpec) -> int | None:
-        return spec.window if isinstance(spec, SlidingWindowSpec) else None
-
 
 class Attention(RotaryAttention):
     def __init__(self, s: _Settings, idx: int) -> None:
         super().__init__(
             idx,
             scale=s.head_dim**-0.5,
-            window=s.window(s.specs[idx]),
+            window=sliding_window(s.specs[idx]),
             hidden=s.hidden,
             num_heads=s.num_heads,
             num_kv_heads=s.num_kv_heads,

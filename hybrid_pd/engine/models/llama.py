@@ -29,13 +29,13 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import RotaryAttention
+from hybrid_pd.engine.models.attention import RotaryAttention, sliding_window
 from hybrid_pd.engine.models.backbone import RopeBackbone
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, load_checkpoint
 from hybrid_pd.engine.models.rope import cos_sin, rope_settings
 from hybrid_pd.engine.onednn import PackedWeights, packed_linear
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
-from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
+from hybrid_pd.kvcache.specs import AttentionSpec
 
 # Buffers that old checkpoints saved with the weights; recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -107,17 +107,13 @@ class _Settings:
     def flag(self, switch: bool | str) -> bool:
         return switch if isinstance(switch, bool) else bool(self.config.get(switch) or False)
 
-    @staticmethod
-    def window(spec: AttentionSpec) -> int | None:
-        return spec.window if isinstance(spec, SlidingWindowSpec) else None
-
 
 class Attention(RotaryAttention):
     def __init__(self, s: _Settings, layer_idx: int) -> None:
         super().__init__(
             layer_idx,
             scale=s.head_dim**-0.5,
-            window=s.window(s.layers[layer_idx]),
+            window=sliding_window(s.layers[layer_idx]),
             hidden=s.hidden,
             num_heads=s.num_heads,
             num_kv_heads=s.num_kv_heads,
