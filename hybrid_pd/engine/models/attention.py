@@ -24,6 +24,17 @@ def sliding_window(spec: AttentionSpec) -> int | None:
     return spec.window if isinstance(spec, SlidingWindowSpec) else None
 
 
+def head_sizes(s: Any) -> dict[str, int]:
+    """`AttentionProjections`' sizes, by name, from a model's settings that carry them
+    under the same names (``hidden``, ``num_heads``, ``num_kv_heads``, ``head_dim``)."""
+    return {
+        "hidden": s.hidden,
+        "num_heads": s.num_heads,
+        "num_kv_heads": s.num_kv_heads,
+        "head_dim": s.head_dim,
+    }
+
+
 def project_heads(
     qkv: FusedLinears, x: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import RotaryAttention, sliding_window
+from hybrid_pd.engine.models.attention import RotaryAttention, head_sizes, sliding_window
 from hybrid_pd.engine.models.backbone import RopeCausalLM
 from hybrid_pd.engine.models.common import (
     RMSNorm,
@@ -112,10 +112,7 @@ class Attention(RotaryAttention):
             idx,
             scale=s.head_dim**-0.5,
             window=sliding_window(s.specs[idx]),
-            hidden=s.hidden,
-            num_heads=s.num_heads,
-            num_kv_heads=s.num_kv_heads,
-            head_dim=s.head_dim,
+            **head_sizes(s),
             bias=s.attention_bias,
         )
         self.sinks = nn.Parameter(torch.zeros(self.num_heads))

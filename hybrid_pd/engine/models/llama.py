@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import RotaryAttention, sliding_window
+from hybrid_pd.engine.models.attention import RotaryAttention, head_sizes, sliding_window
 from hybrid_pd.engine.models.backbone import RopeBackbone
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, load_checkpoint
 from hybrid_pd.engine.models.rope import cos_sin, rope_settings
@@ -114,10 +114,7 @@ class Attention(RotaryAttention):
             layer_idx,
             scale=s.head_dim**-0.5,
             window=sliding_window(s.layers[layer_idx]),
-            hidden=s.hidden,
-            num_heads=s.num_heads,
-            num_kv_heads=s.num_kv_heads,
-            head_dim=s.head_dim,
+            **head_sizes(s),
             bias=s.flag(s.family.qkv_bias),
             o_bias=s.flag(s.family.o_bias),
         )

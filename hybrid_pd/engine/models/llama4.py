@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import AttentionProjections
+from hybrid_pd.engine.models.attention import AttentionProjections, head_sizes
 from hybrid_pd.engine.models.backbone import RopeCausalLM
 from hybrid_pd.engine.models.common import (
     GatedMLP,
@@ -190,7 +190,7 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class Attention(AttentionProjections):
     def __init__(self, s: _Settings, idx: int) -> None:
-        super().__init__(s.hidden, s.num_heads, s.num_kv_heads, s.head_dim, bias=s.attention_bias)
+        super().__init__(**head_sizes(s), bias=s.attention_bias)
         self.layer_name = f"model.layers.{idx}"
         self.scale = self.head_dim**-0.5
         self.use_rope = s.use_rope[idx]
