@@ -80,17 +80,19 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
         seed=args.seed,
         scatter_gather=args.scatter_gather,
     )
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(
-            f"{result['model']}: block {result['block_size']}, page "
-            f"{result['page_size_bytes']} B, {result['num_groups']} groups, churn {result['churn']}"
-        )
-        for r in result["runs"]:
-            print(
-                f"{r['tokens']:>6} tokens {r['bytes'] / 2**20:9.1f} MiB "
-                f"{r['messages_per_request']:>7} msgs/req  KV {r['kv_gb_per_s']:6.2f} GB/s  raw "
-                f"{r['raw_gb_per_s']:6.2f} GB/s  ratio {r['ratio']:.2f}"
-            )
+    print(json.dumps(result, indent=2) if args.json else _transfer_summary(result))
     return 0
+
+
+def _transfer_summary(result: dict) -> str:
+    lines = [
+        f"{result['model']}: block {result['block_size']}, page "
+        f"{result['page_size_bytes']} B, {result['num_groups']} groups, churn {result['churn']}"
+    ]
+    for r in result["runs"]:
+        lines.append(
+            f"{r['tokens']:>6} tokens {r['bytes'] / 2**20:9.1f} MiB "
+            f"{r['messages_per_request']:>7} msgs/req  KV {r['kv_gb_per_s']:6.2f} GB/s  raw "
+            f"{r['raw_gb_per_s']:6.2f} GB/s  ratio {r['ratio']:.2f}"
+        )
+    return "\n".join(lines)

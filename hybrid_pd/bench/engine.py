@@ -185,11 +185,8 @@ def _cmd_bench_engine(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             held_state_rows_bytes=args.held_state_rows,
         )
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        for r in result["runs"]:
-            print(", ".join(f"{k}={v}" for k, v in r.items()))
+    runs = "\n".join(", ".join(f"{k}={v}" for k, v in r.items()) for r in result["runs"])
+    print(json.dumps(result, indent=2) if args.json else runs)
     return 0
 
 

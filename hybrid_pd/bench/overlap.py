@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.bench.completions import _prompt
+from hybrid_pd.bench.completions import _prompt, completion_chunks
 from hybrid_pd.bench.multiturn import _start
 from hybrid_pd.bench.service import worker_kv_check
 
@@ -51,17 +51,11 @@ def _stream(client, body: dict) -> dict:
     t0 = time.perf_counter()
     times: list[float] = []  # since t0, per token
     ids: list[int] = []
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            r.read()
-            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            for c in json.loads(line[len("data: ") :]).get("choices") or ():
-                new = c.get("token_ids") or ()
-                times += [time.perf_counter() - t0] * len(new)
-                ids += new
+    for chunk in completion_chunks(client, body):
+        for c in chunk.get("choices") or ():
+            new = c.get("token_ids") or ()
+            times += [time.perf_counter() - t0] * len(new)
+            ids += new
     if len(ids) < 2:
         raise RuntimeError(f"expected at least two tokens, got {len(ids)}")
     return {

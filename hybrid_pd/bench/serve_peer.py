@@ -250,26 +250,28 @@ def cmd_bench_serve_peer(args: argparse.Namespace, load: dict[str, Any]) -> int:
     result = bench_serve_peer(
         peer_python=peer_python(args.peer_python), reps=args.reps, progress=not args.json, **load
     )
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(
-            f"{result['model']} ({result['dtype']}): ours (proxy + one worker) / vLLM's OpenAI "
-            f"server, medians of {result['reps']} alternating reps"
-        )
-        print(f"{'conc':>5} {'tok/s ours':>11} {'vLLM':>8} {'ratio':>6} {'TTFT p50 ours':>14} "
-              f"{'vLLM':>8} {'ITL p50 ours':>13} {'vLLM':>8}")  # fmt: skip
-        for a, b, r in zip(
-            result["setups"]["ours"], result["setups"]["vllm"], result["ratios"], strict=True
-        ):
-            print(
-                f"{a['concurrency']:>5} {a['output_tokens_per_s']!s:>11} "
-                f"{b['output_tokens_per_s']!s:>8} {r['output_tokens_per_s']!s:>6} "
-                f"{a['ttft_ms_p50']!s:>14} {b['ttft_ms_p50']!s:>8} "
-                f"{a['itl_ms_p50']!s:>13} {b['itl_ms_p50']!s:>8}"
-            )
-        g = result["greedy"]
-        print(f"greedy token ids equal: {g['equal']}/{g['compared']} requests")
-        print("no leaked KV blocks" if result["no_leaks"] else f"LEAKS: {result['workers']}")
+    print(json.dumps(result, indent=2) if args.json else _summary(result))
     ok = result["no_leaks"] and result["errors"] == 0
     return 0 if ok else 1
+
+
+def _summary(result: dict[str, Any]) -> str:
+    lines = [
+        f"{result['model']} ({result['dtype']}): ours (proxy + one worker) / vLLM's OpenAI "
+        f"server, medians of {result['reps']} alternating reps",
+        f"{'conc':>5} {'tok/s ours':>11} {'vLLM':>8} {'ratio':>6} {'TTFT p50 ours':>14} "
+        f"{'vLLM':>8} {'ITL p50 ours':>13} {'vLLM':>8}",
+    ]
+    for a, b, r in zip(
+        result["setups"]["ours"], result["setups"]["vllm"], result["ratios"], strict=True
+    ):
+        lines.append(
+            f"{a['concurrency']:>5} {a['output_tokens_per_s']!s:>11} "
+            f"{b['output_tokens_per_s']!s:>8} {r['output_tokens_per_s']!s:>6} "
+            f"{a['ttft_ms_p50']!s:>14} {b['ttft_ms_p50']!s:>8} "
+            f"{a['itl_ms_p50']!s:>13} {b['itl_ms_p50']!s:>8}"
+        )
+    g = result["greedy"]
+    lines.append(f"greedy token ids equal: {g['equal']}/{g['compared']} requests")
+    lines.append("no leaked KV blocks" if result["no_leaks"] else f"LEAKS: {result['workers']}")
+    return "\n".join(lines)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from hybrid_pd.kvcache.ids import RequestId
+
 
 @runtime_checkable
 class SupportsHMA(Protocol):
@@ -39,7 +41,7 @@ ConnectorScheduler = SupportsHMA
 class LoadResult:
     """How one asynchronous load ended. `error` is None on success."""
 
-    request_id: str
+    request_id: RequestId
     error: str | None = None
     bytes: int = 0
     messages: int = 0
@@ -56,7 +58,7 @@ class ConnectorWorker(Protocol):
 
     def start_load_kv(
         self,
-        request_id: str,
+        request_id: RequestId,
         params: Any,
         block_ids: tuple[list[int], ...],
         held: Sequence[int] = (),

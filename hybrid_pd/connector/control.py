@@ -25,6 +25,7 @@ import grpc
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import GroupGeometry, KVLayout
 from hybrid_pd.connector.watch import until
+from hybrid_pd.kvcache.ids import EngineId, RequestId
 from hybrid_pd.kvcache.tp_layout import SlotRows
 from hybrid_pd.proto import kv_control_pb2 as pb
 from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
@@ -180,7 +181,7 @@ class KVControlServicer(pb_grpc.KVControlServicer):
 
     def __init__(
         self,
-        engine_id: str,
+        engine_id: EngineId,
         layout: KVLayout,
         ucx_address: bytes,
         prefill=None,
@@ -215,11 +216,11 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         timeout = max(1.0, (remaining if remaining is not None else 30.0) - 0.5)
         dst = [list(g.ids) for g in request.dst_blocks]
         dst_layout = layout_from_pb(request.dst_layout) if request.HasField("dst_layout") else None
-        rid = request.request_id
+        rid = RequestId(request.request_id)
         if request.stage_epoch:
             send = partial(
                 self.prefill.pull_stage,
-                request.request_id,
+                rid,
                 request.transfer_token,
                 request.stage_epoch,
                 list(request.skip_blocks),
@@ -259,7 +260,7 @@ class KVControlServicer(pb_grpc.KVControlServicer):
     async def Release(self, request, context):
         await self._need_prefill(context)
         try:
-            self.prefill.release(request.request_id, request.transfer_token)
+            self.prefill.release(RequestId(request.request_id), request.transfer_token)
         except TransferFailed as e:
             return pb.ReleaseReply(ok=False, error=str(e))
         return pb.ReleaseReply(ok=True)
@@ -274,7 +275,8 @@ class KVControlServicer(pb_grpc.KVControlServicer):
     async def Abort(self, request, context):
         await self._need_prefill(context)
         try:
-            self.prefill.release(request.request_id, request.transfer_token, reason="aborted")
+            rid = RequestId(request.request_id)
+            self.prefill.release(rid, request.transfer_token, reason="aborted")
         except TransferFailed:
             return pb.AbortReply(ok=False)
         return pb.AbortReply(ok=True)
@@ -284,7 +286,7 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         (at most PROGRESS_WAIT_MAX_S) passed. Awaits the request's change events (the
         engine's step publishing progress, a preemption, the keep, the end): no poll."""
         await self._need_prefill(context)
-        rid, token = request.request_id, request.transfer_token
+        rid, token = RequestId(request.request_id), request.transfer_token
 
         def look():
             p = self.prefill.progress(rid, token)

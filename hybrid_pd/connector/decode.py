@@ -42,7 +42,7 @@ from hybrid_pd.connector.segments import (
     split_iov,
 )
 from hybrid_pd.connector.tp_plan import ShardedPlan
-from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
+from hybrid_pd.kvcache.ids import NULL_BLOCK_ID, EngineId, RequestId
 from hybrid_pd.proto import kv_control_pb2 as pb
 from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
 
@@ -55,7 +55,7 @@ class DecodeConnector:
     def __init__(
         self,
         *,
-        engine_id: str,
+        engine_id: EngineId,
         layout: KVLayout,
         transport,
         region: Callable[[int, int], object] | None = None,
@@ -149,7 +149,7 @@ class DecodeConnector:
     # -- worker side (ConnectorWorker) ------------------------------------------------------
     def start_load_kv(
         self,
-        request_id: str,
+        request_id: RequestId,
         params: KVTransferParams,
         block_ids: tuple[list[int], ...],
         held: Sequence[int] = (),
@@ -159,7 +159,7 @@ class DecodeConnector:
             return
         self._pulls.submit(self._load, request_id, params, block_ids, tuple(held))
 
-    def _load(self, request_id: str, params: KVTransferParams, block_ids, held) -> None:
+    def _load(self, request_id: RequestId, params: KVTransferParams, block_ids, held) -> None:
         release = None
         try:
             st = self.pull(params, block_ids, release=False, held=held)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.kvcache.ids import EngineId
 from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
 
 
@@ -25,7 +26,7 @@ class Peer:
     channel: grpc.Channel
     stub: pb_grpc.KVControlStub
     ucx_address: bytes
-    engine_id: str
+    engine_id: EngineId
     scatter_gather: bool  # takes several regions per message (PullRequest.message_regions)
     layout: KVLayout | None = None
     #: The transfer plan between its pools and ours (tensor-parallel pairs; else ours).

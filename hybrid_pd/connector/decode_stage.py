@@ -31,7 +31,7 @@ import grpc
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.base import LoadResult, TransferFailed
 from hybrid_pd.connector.decode_peer import Peer, Refused, TransferStats, rpc_error
-from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
+from hybrid_pd.kvcache.ids import NULL_BLOCK_ID, RequestId
 from hybrid_pd.proto import kv_control_pb2 as pb
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ _DROPPED = "the request was dropped while its prefill ran"
 class StagedLoad:
     """One staged load: where it stands between two Progress replies."""
 
-    request_id: str  # this engine's
+    request_id: RequestId  # this engine's
     params: KVTransferParams  # as the proxy sent them (the prefill's request id, token)
     block_ids: tuple[list[int], ...]
     held: tuple[int, ...]
@@ -94,7 +94,7 @@ class StagedLoads:
         self._active = 0
         self._closing = False
 
-    def start(self, request_id: str, params: KVTransferParams, block_ids, held) -> None:
+    def start(self, request_id: RequestId, params: KVTransferParams, block_ids, held) -> None:
         load = StagedLoad(request_id, params, block_ids, tuple(held))
         with self._lock:
             self._loads[params.request_id] = load
@@ -104,7 +104,7 @@ class StagedLoads:
             self._active += 1
         self._submit(self._begin, load)
 
-    def drop(self, prefill_request_id: str) -> None:
+    def drop(self, prefill_request_id: RequestId) -> None:
         """The request was dropped: its load ends (with an error) at once if it waits for
         a Progress reply, else at its next step."""
         with self._lock:

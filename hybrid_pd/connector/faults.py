@@ -16,6 +16,8 @@ import logging
 import os
 import time
 
+from hybrid_pd.kvcache.ids import RequestId
+
 logger = logging.getLogger(__name__)
 
 FAULT, _, FAULT_MARK = os.environ.get("HYBRID_PD_INJECT_FAULT", "").partition(":")
@@ -27,7 +29,7 @@ def slow_step() -> None:
         time.sleep(float(FAULT_MARK))
 
 
-def zeroed(request_id: str) -> bool:
+def zeroed(request_id: RequestId) -> bool:
     """Under "zero_sends[:MARK]": whether this request's sends are zeros."""
     return FAULT == "zero_sends" and FAULT_MARK in request_id
 

@@ -19,6 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.api.signing import sign
@@ -29,7 +30,7 @@ from hybrid_pd.connector.prefill_stage import Progress, PullResult, Stage, Stagi
 from hybrid_pd.connector.segments import PagedPlan, TransferPlan, group_regions, split_iov
 from hybrid_pd.connector.tp_plan import ShardedPlan
 from hybrid_pd.connector.watch import Watchers, wait_until
-from hybrid_pd.kvcache.ids import NULL_BLOCK_ID
+from hybrid_pd.kvcache.ids import NULL_BLOCK_ID, EngineId, RequestId
 
 __all__ = ["DEFAULT_LEASE_S", "Lease", "PrefillConnector", "Progress", "PullResult"]
 
@@ -51,7 +52,7 @@ def _skipped(groups: Sequence[Sequence[int]], skip: Sequence[int]) -> Sequence[S
 
 @dataclass
 class Lease:
-    request_id: str
+    request_id: RequestId
     token: str
     block_ids: tuple[tuple[int, ...], ...]
     expires_at: float
@@ -63,13 +64,39 @@ class Lease:
     epoch: int = 0
 
 
+def handover_params(
+    side: Any,
+    request_id: RequestId,
+    kept: tuple[tuple[int, ...], ...],
+    prompt_ids: Sequence[int],
+    first_token: int,
+    transfer_token: str,
+) -> KVTransferParams:
+    """What a prefill side (ours, or vLLM's scheduler half: anything with `engine_id`,
+    `control_address`, `layout`, `secret` and `lease_s`) hands out for a finished prompt
+    whose blocks `kept` it keeps under `transfer_token`: signed for one lease when the side
+    has the shared secret, so decode servers never told of it may pull (`api.signing`)."""
+    params = KVTransferParams(
+        request_id=request_id,
+        block_ids=kept,
+        prompt_len=len(prompt_ids),
+        first_token=first_token,
+        engine_id=side.engine_id,
+        control_address=side.control_address,
+        fingerprint=side.layout.fingerprint,
+        transfer_token=transfer_token,
+        prompt_digest=prompt_digest(prompt_ids),
+    )
+    return params if side.secret is None else sign(params, side.secret, side.lease_s)
+
+
 class PrefillConnector(Staging):
     """Implements SupportsHMA for the prefill role (and the staged half, `Staging`)."""
 
     def __init__(
         self,
         *,
-        engine_id: str,
+        engine_id: EngineId,
         layout: KVLayout,
         control_address: str,
         free_blocks: Callable[[str], None],
@@ -100,7 +127,7 @@ class PrefillConnector(Staging):
         self.engine_id = engine_id
         self.layout = layout
         self.control_address = control_address
-        self._secret = secret
+        self.secret = secret
         self._free_blocks = free_blocks
         self._plan = plan if plan is not None else PagedPlan(region, layout.page_size_bytes)
         #: This worker's ranks' pools in rank order (`connector.tp_plan`), for pulls
@@ -142,24 +169,14 @@ class PrefillConnector(Staging):
         kept = tuple(tuple(b for b in g if b != NULL_BLOCK_ID) for g in block_ids)
         token = getattr(request, "stage_token", None) or secrets.token_urlsafe(32)
         self.keep(request.request_id, token, kept, first_token=request.output_ids[0])
-        params = KVTransferParams(
-            request_id=request.request_id,
-            block_ids=kept,
-            prompt_len=len(request.prompt_ids),
-            first_token=request.output_ids[0],
-            engine_id=self.engine_id,
-            control_address=self.control_address,
-            fingerprint=self.layout.fingerprint,
-            transfer_token=token,
-            prompt_digest=prompt_digest(request.prompt_ids),
+        params = handover_params(
+            self, request.request_id, kept, request.prompt_ids, request.output_ids[0], token
         )
-        if self._secret is not None:
-            params = sign(params, self._secret, self.lease_s)
         return True, params.to_dict()
 
     def keep(
         self,
-        request_id: str,
+        request_id: RequestId,
         token: str,
         block_ids: tuple[tuple[int, ...], ...],
         first_token: int = -1,
@@ -193,7 +210,7 @@ class PrefillConnector(Staging):
         preemption, keep, release, abort, expiry, end. What KVControl's handlers await."""
         return self._watch
 
-    def settled(self, request_id: str) -> bool:
+    def settled(self, request_id: RequestId) -> bool:
         """Whether a pull for `request_id` can be answered now: its blocks are kept, or it
         ended (released, aborted, expired; a pull then fails at once)."""
         with self._lock:
@@ -204,13 +221,13 @@ class PrefillConnector(Staging):
         return min(self.keep_wait_s, timeout) if self.keep_wait_s > 0 else 0.0
 
     # -- control handlers -------------------------------------------------------------------
-    def _check_token(self, expected: str, token: str, request_id: str) -> None:
+    def _check_token(self, expected: str, token: str, request_id: RequestId) -> None:
         if not hmac.compare_digest(expected.encode(), token.encode()):
             self.stats["bad_token"] += 1
             logger.warning("rejected a KV call for %s: wrong transfer token", request_id)
             raise TransferFailed(f"wrong transfer token for request {request_id!r}")
 
-    def _lease(self, request_id: str, token: str) -> Lease:
+    def _lease(self, request_id: RequestId, token: str) -> Lease:
         lease = self._leases.get(request_id)
         if lease is None:
             raise TransferFailed(
@@ -221,7 +238,7 @@ class PrefillConnector(Staging):
 
     def pull(
         self,
-        request_id: str,
+        request_id: RequestId,
         token: str,
         dst_blocks: list[list[int]],
         peer: bytes,
@@ -286,7 +303,7 @@ class PrefillConnector(Staging):
         return plan
 
     def _messages(
-        self, plan, runs, message_regions, request_id: str, peer: bytes, tag: int
+        self, plan, runs, message_regions, request_id: RequestId, peer: bytes, tag: int
     ) -> list:
         """What the transport sends: the runs' regions, packed as the puller said (rows of
         the pools when the plan has them; fault injection works on region tensors)."""
@@ -306,7 +323,7 @@ class PrefillConnector(Staging):
         with self._lock:
             return dict(self.stats)
 
-    def release(self, request_id: str, token: str, reason: str = "released") -> None:
+    def release(self, request_id: RequestId, token: str, reason: str = "released") -> None:
         with self._lock:
             if (
                 reason == "aborted"
@@ -327,7 +344,7 @@ class PrefillConnector(Staging):
         if free_now:
             self._free(lease)
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: RequestId) -> bool:
         """Drop a kept request by id alone (trusted callers: the proxy's Abort)."""
         with self._lock:
             lease = self._leases.get(request_id)

@@ -23,6 +23,7 @@ from hybrid_pd.connector import faults
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.watch import Watchers
+from hybrid_pd.kvcache.ids import RequestId
 
 #: How many ended request ids and early aborts a prefill connector remembers.
 REMEMBERED = 4096
@@ -79,7 +80,7 @@ class Staging:
     transport: object
 
     # -- the engine thread publishes ---------------------------------------------------------
-    def stage_begin(self, request_id: str, token: str) -> None:
+    def stage_begin(self, request_id: RequestId, token: str) -> None:
         """A request admitted with a transfer token: decode may follow its progress."""
         with self._lock:
             self._stages[request_id] = Stage(token)
@@ -87,7 +88,7 @@ class Staging:
         self._watch.fire(request_id)
 
     def stage_progress(
-        self, request_id: str, num_computed: int, block_ids: Sequence[Sequence[int]]
+        self, request_id: RequestId, num_computed: int, block_ids: Sequence[Sequence[int]]
     ) -> None:
         """After a step: the prompt tokens computed and, per group, the blocks whose KV is
         final, in the order the kept KV will list them (the engine's `_final_blocks`)."""
@@ -102,7 +103,7 @@ class Staging:
             )
         self._watch.fire(request_id)
 
-    def stage_reset(self, request_id: str) -> None:
+    def stage_reset(self, request_id: RequestId) -> None:
         """The request's blocks were freed (preempted; it will be computed again): blocks
         staged before now must be pulled again. Call before anything can reuse them."""
         with self._lock:
@@ -114,7 +115,7 @@ class Staging:
             stage.block_ids = ()
         self._watch.fire(request_id)
 
-    def stage_end(self, request_id: str) -> None:
+    def stage_end(self, request_id: RequestId) -> None:
         """The request ended without keeping its KV (its first token finished it, it was
         aborted or it failed). Call before its blocks can be reused."""
         with self._lock:
@@ -124,7 +125,7 @@ class Staging:
         self._watch.fire(request_id)
 
     # -- decode workers follow ---------------------------------------------------------------
-    def progress(self, request_id: str, token: str) -> Progress:
+    def progress(self, request_id: RequestId, token: str) -> Progress:
         """Where a staged request is (any thread, never blocks; raises TransferFailed on a
         wrong token). Its watchers fire whenever the answer may have changed."""
         with self._lock:
@@ -140,7 +141,7 @@ class Staging:
                 return Progress("running", stage.epoch, stage.computed, stage.block_ids)
             return Progress("ended" if request_id in self._ended else "waiting")
 
-    def _epoch_of(self, request_id: str) -> int:
+    def _epoch_of(self, request_id: RequestId) -> int:
         """Under the lock: the staging epoch whose blocks `request_id` holds now (0: none)."""
         stage = self._stages.get(request_id)
         if stage is not None:
@@ -150,7 +151,7 @@ class Staging:
 
     def pull_stage(
         self,
-        request_id: str,
+        request_id: RequestId,
         token: str,
         epoch: int,
         start: Sequence[int],

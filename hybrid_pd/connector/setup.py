@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from hybrid_pd.connector.control import AioServer, KVControlServicer
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.ucx import UcxTransport
+from hybrid_pd.kvcache.ids import EngineId
 from hybrid_pd.proto import kv_control_pb2_grpc
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ def open_server(host: str, port: int, secret: str | None) -> tuple[AioServer, st
 
 def add_kv_control(
     server: AioServer,
-    engine_id: str,
+    engine_id: EngineId,
     layout: KVLayout,
     transport: UcxTransport,
     prefill: PrefillConnector | None,

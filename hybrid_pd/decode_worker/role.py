@@ -36,15 +36,11 @@ class DecodeRole(Role):
         self._loop: EngineLoop | None = None
         self._next_beat = 0.0
         self.connector = DecodeConnector(
-            engine_id=parts.engine_id,
-            layout=parts.layout,
-            transport=parts.transport,
-            region=parts.region,
+            **parts.connector_parts(),
             secret=config.secret,
             timeout_s=config.transfer_timeout_s,
             peers=tuple(config.peers),
             scatter_gather=config.kv_scatter_gather,
-            shard_buffers=parts.shard_buffers,
         )
         self.worker_half = self.connector
 

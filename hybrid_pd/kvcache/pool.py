@@ -194,12 +194,7 @@ class KVPool:
         raw, span = self._slot(layer_name)
         if span != 1:
             raise ValueError(f"{layer_name}'s state spans {span} blocks; use read_state")
-        offsets, _ = state_tensor_offsets(spec)
-        views = []
-        for off, shape, dtype in zip(offsets, spec.shapes, spec.dtypes, strict=True):
-            n = math.prod(shape) * dtype_bytes(dtype)
-            views.append(raw[:, off : off + n].view(torch_dtype(dtype)).unflatten(1, shape))
-        return views
+        return self._flat_views(layer_name, raw)
 
     def read_state(self, layer_name: str, block_ids: list[int]) -> list[torch.Tensor]:
         """A contiguous copy of one request's state gathered from its state blocks."""

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from hybrid_pd import __version__
-from hybrid_pd.api.sizes import HELD_STATE_ROWS_HELP, held_state_rows_arg
+from hybrid_pd.api.sizes import HELD_STATE_ROWS_HELP
 from hybrid_pd.launcher import preflight
 from hybrid_pd.launcher.console import (
     LOG_LEVELS,
@@ -18,8 +18,9 @@ from hybrid_pd.launcher.console import (
     configure_logging,
     forward_ray_logs_plainly,
 )
-from hybrid_pd.launcher.generate import add_generate, positive_int
+from hybrid_pd.launcher.generate import add_generate
 from hybrid_pd.launcher.lazy_parser import LazyParser
+from hybrid_pd.workers.flags import add_engine_flags, positive_int
 
 logger = logging.getLogger("hybrid_pd.launcher.cli")
 
@@ -178,11 +179,16 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", help="engine vllm: compute dtype (default: the checkpoint's)")
     p.add_argument("--host", help="proxy address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="proxy port (default 8000; 0 picks one)")
-    p.add_argument("--kv-memory", help="KV memory per worker (default 1GiB)")
-    p.add_argument(
-        "--held-state-rows",
-        type=held_state_rows_arg,
-        help=f"per worker: {HELD_STATE_ROWS_HELP}",
+    add_engine_flags(
+        p,
+        {
+            "--kv-memory": "KV memory per worker (default 1GiB)",
+            "--held-state-rows": f"per worker: {HELD_STATE_ROWS_HELP}",
+            "--device": "torch device of the workers (e.g. cuda)",
+            "--threads": "torch threads per worker",
+        },
+        defaults=False,  # ServeConfig's (and a --config file's) apply where not given
+        only=("--kv-memory", "--held-state-rows", "--device", "--threads", "--failure-policy"),
     )
     p.add_argument(
         "--secret",
@@ -196,12 +202,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="join a cluster (--address) without a secret: worker RPCs open to the network",
     )
-    p.add_argument("--device", help="torch device of the workers (e.g. cuda)")
-    p.add_argument("--failure-policy", choices=("recompute", "fail"))
     p.add_argument(
         "--min-prefill-tokens", type=int, help="shorter prompts skip the prefill pool (default 32)"
     )
-    p.add_argument("--threads", type=int, help="torch threads per worker")
     p.add_argument("--ucx-tls", help="UCX transports for KV transfers (e.g. tcp,self)")
     p.add_argument(
         "--max-queued",

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from hybrid_pd.api.sizes import HELD_STATE_ROWS_HELP, held_state_rows_arg
+from hybrid_pd.api.sizes import HELD_STATE_ROWS_HELP
 from hybrid_pd.launcher import preflight
+from hybrid_pd.workers.flags import add_engine_flags, positive_int
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -22,24 +23,19 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence")
-    p.add_argument("--kv-memory", default="256MiB", help="KV cache memory (bytes or 1GiB)")
-    p.add_argument(
-        "--held-state-rows",
-        type=held_state_rows_arg,
-        default=None,
-        help=HELD_STATE_ROWS_HELP,
-    )
-    p.add_argument("--device", default=None, help="torch device (default: torch's default)")
-    p.add_argument(
-        "--threads", type=int, default=None, help="torch threads per engine (default: its CPUs)"
+    add_engine_flags(
+        p,
+        {
+            "--kv-memory": "KV cache memory (bytes or 1GiB)",
+            "--held-state-rows": HELD_STATE_ROWS_HELP,
+            "--device": "torch device (default: torch's default)",
+            "--threads": "torch threads per engine (default: its CPUs)",
+            "--failure-policy": "decode's reaction to a failed KV pull (with --disaggregated)",
+            "--tensor-parallel-size": "ranks of the engine, one process each, splitting heads "
+            "and widths",
+        },
     )
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=positive_int,
-        default=1,
-        help="ranks of the engine, one process each, splitting heads and widths",
-    )
     p.add_argument(
         "--prefill-tensor-parallel-size",
         type=positive_int,
@@ -56,12 +52,6 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         "--disaggregated",
         action="store_true",
         help="prefill in one worker process, decode in another (KV over UCX)",
-    )
-    p.add_argument(
-        "--failure-policy",
-        choices=("recompute", "fail"),
-        default="recompute",
-        help="decode's reaction to a failed KV pull (with --disaggregated)",
     )
     p.set_defaults(func=_cmd_generate)
 
@@ -89,9 +79,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     size = args.tensor_parallel_size
     set_torch_threads(args.threads, workers_on_this_host=size)
     tune_malloc()
-    engine_config = EngineSettings(
-        kv_memory=args.kv_memory, held_state_rows=args.held_state_rows
-    ).config()
+    engine_config = EngineSettings.of(args).config()
     # ranks 1 .. size-1 as child processes; this process is rank 0
     ranks = None
     if size > 1:
@@ -116,17 +104,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     }
     print(json.dumps(result) if args.json else result["text"])
     return 0
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1 (a usage error otherwise)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _sampling(args: argparse.Namespace):

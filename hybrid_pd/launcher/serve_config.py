@@ -221,7 +221,7 @@ class ServeConfig:
         return worker_config(
             role,
             model_path,
-            EngineSettings(kv_memory=self.kv_memory, held_state_rows=self.held_state_rows),
+            EngineSettings.of(self),
             host=host,
             device=self.device,
             secret=self.secret,

@@ -29,14 +29,10 @@ class PrefillRole(Role):
         self._parts = parts
         self._loop: EngineLoop | None = None
         self.connector = PrefillConnector(
-            engine_id=parts.engine_id,
-            layout=parts.layout,
+            **parts.connector_parts(),
             control_address=parts.address,
             free_blocks=self._free_kept,
-            region=parts.region,
-            transport=parts.transport,
             lease_s=parts.config.lease_s,
-            shard_buffers=parts.shard_buffers,
             secret=parts.config.secret,
         )
         self.scheduler_half = self.connector

@@ -28,63 +28,52 @@ class ProxyMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        p = "hybrid_pd_proxy_"
-        self.requests = Counter(
-            p + "requests",
-            "HTTP requests by endpoint and status",
-            ["endpoint", "status"],
-            registry=r,
+        self.registry = CollectorRegistry()
+
+        def metric(kind, name: str, doc: str, labels=(), **kwargs):
+            """A `kind` series ``hybrid_pd_proxy_<name>`` in this proxy's registry."""
+            return kind("hybrid_pd_proxy_" + name, doc, labels, registry=self.registry, **kwargs)
+
+        latency = {"buckets": _LATENCY_BUCKETS}
+        self.requests = metric(
+            Counter, "requests", "HTTP requests by endpoint and status", ["endpoint", "status"]
         )
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds",
-            "request arrival to first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.ttft = metric(
+            Histogram, "time_to_first_token_seconds", "request arrival to first token", **latency
         )
-        self.itl = Histogram(
-            p + "inter_token_latency_seconds",
+        self.itl = metric(
+            Histogram,
+            "inter_token_latency_seconds",
             "time between successive output tokens",
             buckets=_ITL_BUCKETS,
-            registry=r,
         )
-        self.e2e = Histogram(
-            p + "request_latency_seconds",
-            "request arrival to last token",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.e2e = metric(
+            Histogram, "request_latency_seconds", "request arrival to last token", **latency
         )
-        self.tokens = Counter(p + "tokens", "tokens by kind", ["kind"], registry=r)
-        self.routes = Counter(
-            p + "routes",
+        self.tokens = metric(Counter, "tokens", "tokens by kind", ["kind"])
+        self.routes = metric(
+            Counter,
+            "routes",
             "requests by path taken (disaggregated, decode_only, fallback)",
             ["route"],
-            registry=r,
         )
-        self.kv_bytes = Counter(
-            p + "kv_transfer_bytes", "KV bytes moved prefill -> decode", registry=r
-        )
-        self.kv_seconds = Histogram(
-            p + "kv_transfer_seconds",
+        self.kv_bytes = metric(Counter, "kv_transfer_bytes", "KV bytes moved prefill -> decode")
+        self.kv_seconds = metric(
+            Histogram,
+            "kv_transfer_seconds",
             "time decode spent pulling a request's KV",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            **latency,
         )
-        self.kv_transfers = Counter(
-            p + "kv_transfers",
-            "KV hand-overs by result (pulled, recomputed)",
-            ["result"],
-            registry=r,
+        self.kv_transfers = metric(
+            Counter, "kv_transfers", "KV hand-overs by result (pulled, recomputed)", ["result"]
         )
-        self.failures = Counter(p + "failures", "failures by kind", ["kind"], registry=r)
-        self.worker_up = Gauge(
-            p + "worker_up",
-            "1 when the worker's last contact succeeded",
-            ["worker", "roles"],
-            registry=r,
+        self.failures = metric(Counter, "failures", "failures by kind", ["kind"])
+        worker = ["worker", "roles"]
+        self.worker_up = metric(
+            Gauge, "worker_up", "1 when the worker's last contact succeeded", worker
         )
         self.worker = {
-            name: Gauge(p + "worker_" + name, doc, ["worker", "roles"], registry=r)
+            name: metric(Gauge, "worker_" + name, doc, worker)
             for name, doc in _WORKER_GAUGES.items()
         }
         #: (worker, roles) label pairs of the per-worker series now in the registry.

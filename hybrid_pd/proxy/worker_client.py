@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -47,6 +48,11 @@ class WorkerClient:
     def close(self) -> None:
         self._channel.close()
 
+    def _call(self, rpc: Callable[..., Any], request: Message, timeout_s: float | None) -> Any:
+        """`rpc` (a stub method, or its ``.future``) with `request`, this client's deadline
+        (`timeout_s`, else its default) and secret."""
+        return rpc(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
+
     def prefill(
         self,
         request_id: str,
@@ -55,12 +61,8 @@ class WorkerClient:
         timeout_s: float | None = None,
         transfer_token: str = "",
     ) -> PrefillResult:
-        reply = self._stub.Prefill(
-            _prefill_request(request_id, prompt_ids, sampling, transfer_token),
-            timeout=timeout_s or self.timeout_s,
-            metadata=self._metadata,
-        )
-        return prefill_result(reply)
+        request = _prefill_request(request_id, prompt_ids, sampling, transfer_token)
+        return prefill_result(self._call(self._stub.Prefill, request, timeout_s))
 
     def prefill_future(
         self,
@@ -73,11 +75,8 @@ class WorkerClient:
         """Non-blocking Prefill: a grpc.Future of the PrefillReply (`prefill_result` parses
         it); cancelling the future cancels the RPC, which drops the request on the worker.
         `transfer_token`: a decode worker showing it may follow the prefill (overlap)."""
-        return self._stub.Prefill.future(
-            _prefill_request(request_id, prompt_ids, sampling, transfer_token),
-            timeout=timeout_s or self.timeout_s,
-            metadata=self._metadata,
-        )
+        request = _prefill_request(request_id, prompt_ids, sampling, transfer_token)
+        return self._call(self._stub.Prefill.future, request, timeout_s)
 
     def generate_stream(
         self,
@@ -91,33 +90,22 @@ class WorkerClient:
     ) -> Iterator[pb.GenerateChunk]:
         """The stream of chunks; it is also a grpc.Call: `.cancel()` ends it (and the request
         on the worker)."""
-        return self._stub.Generate(
-            pb.GenerateRequest(
-                request_id=request_id,
-                prompt_ids=prompt_ids,
-                sampling=sampling,
-                kv_transfer_params=kv_transfer_params.to_pb() if kv_transfer_params else None,
-                failure_policy=failure_policy,
-                output_ids=list(output_ids),
-            ),
-            timeout=timeout_s or self.timeout_s,
-            metadata=self._metadata,
+        request = pb.GenerateRequest(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            kv_transfer_params=kv_transfer_params.to_pb() if kv_transfer_params else None,
+            failure_policy=failure_policy,
+            output_ids=list(output_ids),
         )
+        return self._call(self._stub.Generate, request, timeout_s)
 
     def generate(self, *args, **kwargs) -> GenerateResult:
         out = GenerateResult()
         for chunk in self.generate_stream(*args, **kwargs):
             out.token_ids += list(chunk.token_ids)
             if chunk.HasField("transfer") and not out.transfer:
-                t = chunk.transfer
-                out.transfer = {
-                    "bytes": t.bytes,
-                    "messages": t.messages,
-                    "seconds": t.seconds,
-                    "recomputed": t.recomputed,
-                    "held_tokens": t.held_tokens,
-                    "staged_bytes": t.staged_bytes,
-                }
+                out.transfer = _scalars(chunk.transfer)
             if chunk.finished:
                 out.finish_reason = chunk.finish_reason
                 out.error = chunk.error
@@ -126,38 +114,24 @@ class WorkerClient:
     def abort(
         self, request_id: str, timeout_s: float | None = None, transfer_token: str = ""
     ) -> bool:
-        return self._stub.Abort(
-            pb.AbortRequest(request_id=request_id, transfer_token=transfer_token),
-            timeout=timeout_s or self.timeout_s,
-            metadata=self._metadata,
-        ).ok
+        request = pb.AbortRequest(request_id=request_id, transfer_token=transfer_token)
+        return self._call(self._stub.Abort, request, timeout_s).ok
 
     def add_peers(self, addresses: list[str], timeout_s: float | None = None) -> list[str]:
         """Tell a decode worker which prefill workers it may pull from; returns all it knows."""
-        reply = self._stub.AddPeers(
-            pb.AddPeersRequest(prefill_addresses=addresses),
-            timeout=timeout_s or self.timeout_s,
-            metadata=self._metadata,
-        )
-        return list(reply.known)
+        request = pb.AddPeersRequest(prefill_addresses=addresses)
+        return list(self._call(self._stub.AddPeers, request, timeout_s).known)
 
     def health(self, timeout_s: float | None = None) -> pb.HealthReply:
-        return self._stub.Health(
-            pb.HealthRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
-        )
+        return self._call(self._stub.Health, pb.HealthRequest(), timeout_s)
 
     def describe(self, timeout_s: float | None = None) -> pb.ModelCard:
         """What the worker serves (its model card)."""
-        return self._stub.Describe(
-            pb.DescribeRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
-        )
+        return self._call(self._stub.Describe, pb.DescribeRequest(), timeout_s)
 
     def stats(self, timeout_s: float | None = None) -> dict:
         """The worker's Stats as a dict (`stats_from_pb`)."""
-        reply = self._stub.Stats(
-            pb.StatsRequest(), timeout=timeout_s or self.timeout_s, metadata=self._metadata
-        )
-        return stats_from_pb(reply)
+        return stats_from_pb(self._call(self._stub.Stats, pb.StatsRequest(), timeout_s))
 
 
 def prefill_result(reply: pb.PrefillReply) -> PrefillResult:

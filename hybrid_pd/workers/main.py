@@ -22,20 +22,14 @@ import threading
 from collections.abc import Callable
 
 from hybrid_pd.api.secret import SECRET_ENV, given_secret
-from hybrid_pd.api.sizes import HELD_STATE_ROWS_HELP, held_state_rows_arg
+from hybrid_pd.api.sizes import HELD_STATE_ROWS_HELP
 from hybrid_pd.engine.heap import freeze_startup_heap
 from hybrid_pd.engine.malloc import tune_malloc
 from hybrid_pd.engine.threads import set_torch_threads
 from hybrid_pd.workers.config import ROLES, WorkerConfig
+from hybrid_pd.workers.flags import add_engine_flags, positive_int
 from hybrid_pd.workers.settings import worker_config_from_args
 from hybrid_pd.workers.worker import Worker
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,19 +38,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--kv-memory", default="256MiB")
-    p.add_argument(
-        "--held-state-rows",
-        type=held_state_rows_arg,
-        default=None,
-        help=HELD_STATE_ROWS_HELP,
+    add_engine_flags(
+        p,
+        {
+            "--held-state-rows": HELD_STATE_ROWS_HELP,
+            "--threads": "torch intra-op threads (default: this process's CPUs / "
+            "--workers-on-host)",
+            "--tensor-parallel-size": "ranks of this worker's engine, one process each on "
+            "this host (this is rank 0)",
+        },
     )
     p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    p.add_argument("--max-num-seqs", type=positive_int, default=64)
     p.add_argument(
         "--max-num-batched-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=2048,
         help="tokens one engine step computes at most (a long prompt is prefilled in chunks "
         "of this size)",
@@ -68,7 +64,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--secret-file", default=None, help="read the control-plane secret from here")
     p.add_argument("--lease-s", type=float, default=30.0)
-    p.add_argument("--failure-policy", choices=("recompute", "fail"), default="recompute")
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
     p.add_argument("--ucx-tls", default=None, help="UCX transports, e.g. tcp,self")
     p.add_argument(
@@ -99,22 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="requests admitted but waiting for their first token; beyond: RESOURCE_EXHAUSTED",
     )
     p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads (default: this process's CPUs / --workers-on-host)",
-    )
-    p.add_argument(
         "--workers-on-host",
         type=int,
         default=1,
         help="engine processes sharing this host's CPUs (sets the default --threads)",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=_positive_int,
-        default=1,
-        help="ranks of this worker's engine, one process each on this host (this is rank 0)",
     )
     p.add_argument("--watch-stdin", action="store_true", help="exit when stdin closes")
     return p.parse_args(argv)

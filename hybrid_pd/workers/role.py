@@ -37,6 +37,17 @@ class WorkerParts:
     #: Every rank's pool in rank order, once they exist.
     shard_buffers: Callable[[], Sequence]
 
+    def connector_parts(self) -> dict[str, Any]:
+        """What either connector half takes from the worker (its engine id, layout,
+        transport, pool region and rank pools), as keyword arguments."""
+        return {
+            "engine_id": self.engine_id,
+            "layout": self.layout,
+            "transport": self.transport,
+            "region": self.region,
+            "shard_buffers": self.shard_buffers,
+        }
+
 
 #: An RPC handler of the Worker service: (request, context) -> reply, or an async
 #: generator of replies for a streaming RPC.

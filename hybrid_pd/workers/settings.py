@@ -9,7 +9,7 @@ Sizes arrive as an operator writes them ("1GiB", 268435456) and are read by `api
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from hybrid_pd.api.sizes import held_state_rows_bytes, parse_bytes
@@ -31,6 +31,14 @@ class EngineSettings:
     max_num_batched_tokens: int = _DEFAULT.max_num_batched_tokens
     reuse_prefix_on_load: bool = _DEFAULT.reuse_prefix_on_load
 
+    @classmethod
+    def of(cls, source: object) -> EngineSettings:
+        """The settings `source` carries (parsed flags, a `ServeConfig`): each field it has
+        under the same name, the default for the others (a command without
+        --block-size, say)."""
+        given = {f.name: getattr(source, f.name) for f in fields(cls) if hasattr(source, f.name)}
+        return cls(**given)
+
     def config(self) -> EngineConfig:
         """The `EngineConfig`; ValueError names a size that cannot be read."""
         return EngineConfig(
@@ -51,18 +59,10 @@ def worker_config(role: str, model: str, engine: EngineSettings, **worker: Any) 
 
 def worker_config_from_args(args: argparse.Namespace, secret: str | None) -> WorkerConfig:
     """The worker process's flags (`workers.main.parse_args`) with its secret, as resolved."""
-    engine = EngineSettings(
-        kv_memory=args.kv_memory,
-        held_state_rows=args.held_state_rows,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        reuse_prefix_on_load=args.reuse_prefix_on_load,
-    )
     return worker_config(
         args.role,
         args.model,
-        engine,
+        EngineSettings.of(args),
         host=args.host,
         port=args.port,
         device=args.device,

@@ -15,7 +15,7 @@ from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
 
 from hybrid_pd.engine import paged_attention  # noqa: E402
 from hybrid_pd.engine.loader import load_model  # noqa: E402
-from hybrid_pd.engine.models import gpt_oss  # noqa: E402
+from hybrid_pd.engine.models import attention, gpt_oss  # noqa: E402
 from hybrid_pd.engine.models.gpt_oss import GptOssForCausalLM  # noqa: E402
 from hybrid_pd.engine.models.rope import inverse_frequencies  # noqa: E402
 from hybrid_pd.engine.registry import model_class  # noqa: E402
@@ -100,7 +100,7 @@ def test_ignoring_the_sinks_breaks_parity(gptoss, monkeypatch):
     def no_sinks(*args, sinks=None, **kwargs):
         return paged_attention.paged_attention(*args, **kwargs)
 
-    monkeypatch.setattr(gpt_oss, "paged_attention", no_sinks)
+    monkeypatch.setattr(attention, "paged_attention", no_sinks)  # gpt-oss attention's call
     prompts = [[7], prompt(40, 5)]
     _, first = PagedRunner(model, config).generate(prompts, 1)
     for p, logits in zip(prompts, first, strict=True):

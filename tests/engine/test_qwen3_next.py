@@ -186,5 +186,5 @@ def test_published_config_matches_planner_and_transformers():
         else:
             attn = layer.self_attn
             assert isinstance(spec, AttentionSpec)
-            assert (spec.num_kv_heads, spec.head_dim) == (attn.kv_heads, attn.head_dim)
-            assert (attn.kv_heads, attn.head_dim, attn.rotary.rotary_dim) == (2, 256, 64)
+            assert (spec.num_kv_heads, spec.head_dim) == (attn.num_kv_heads, attn.head_dim)
+            assert (attn.num_kv_heads, attn.head_dim, attn.rotary.rotary_dim) == (2, 256, 64)

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -171,6 +172,12 @@ class RequestPoller:
                     self._orphans.discard(op)
             await asyncio.sleep(0.0005)
 
+    async def _unposted(self, op: Op) -> None:
+        """An op whose posting raised part-way: what was posted is settled (cancelled and
+        freed) before the error goes up."""
+        self._posted(op)
+        await self._settle(op)
+
     async def _send_async(
         self,
         peer: bytes,
@@ -183,16 +190,9 @@ class RequestPoller:
         try:
             eph = self._endpoint(peer).handle
             send, params = ucp.tag_send, (ucp.param, ucp.iov_param)
-            reqs, statuses = op.requests, op.statuses
-            for t, p, n, iov in zip(tags, msgs.ptrs, msgs.counts, msgs.iov, strict=True):
-                r, st = ptr_status(send(eph, p, n, t, params[iov]))
-                reqs.append(r)
-                statuses.append(st)
-                if st < 0:
-                    break
+            _post_each(op, tags, msgs, lambda t, p, n, iov: send(eph, p, n, t, params[iov]))
         except Exception as e:
-            self._posted(op)
-            await self._settle(op)
+            await self._unposted(op)
             raise TransferError(f"UCX send failed to start: {e}") from e
         self._posted(op)
         error = await self._wait_op(op, timeout)
@@ -209,19 +209,16 @@ class RequestPoller:
         try:
             wh = self._worker.handle
             recv, params, drain = ucp.tag_recv, (ucp.param, ucp.iov_param), self._drain
-            reqs, statuses = op.requests, op.statuses
             full = TAG_SPACE - 1
-            for t, p, n, iov in zip(tags, msgs.ptrs, msgs.counts, msgs.iov, strict=True):
+
+            def post(t: int, p: int, n: int, iov: int) -> Any:
                 if drain:
                     drain.pop(t, None)  # a new receive takes the tag back from draining
-                r, st = ptr_status(recv(wh, p, n, t, full, params[iov]))
-                reqs.append(r)
-                statuses.append(st)
-                if st < 0:
-                    break
+                return recv(wh, p, n, t, full, params[iov])
+
+            _post_each(op, tags, msgs, post)
         except Exception as e:
-            self._posted(op)
-            await self._settle(op)
+            await self._unposted(op)
             raise TransferError(f"posting UCX receives failed: {e}") from e
         self._posted(op)
         if op.error >= 0:
@@ -354,3 +351,15 @@ class RequestPoller:
         with self._stats_lock:
             for k, v in zip(kv[::2], kv[1::2], strict=True):
                 self._stats[k] += v
+
+
+def _post_each(op: Op, tags: list[int], msgs: Messages, post: Callable[..., Any]) -> None:
+    """Posts `msgs` one message at a time, ``post(tag, ptr, count, iov)`` (a libucp call's
+    return), recording each request and status in `op`; stops at the first that fails."""
+    reqs, statuses = op.requests, op.statuses
+    for t, p, n, iov in zip(tags, msgs.ptrs, msgs.counts, msgs.iov, strict=True):
+        r, st = ptr_status(post(t, p, n, iov))
+        reqs.append(r)
+        statuses.append(st)
+        if st < 0:
+            break

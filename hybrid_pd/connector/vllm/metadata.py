@@ -10,18 +10,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hybrid_pd.api.params import KVTransferParams
+from hybrid_pd.kvcache.ids import RequestId
 
 
 @dataclass(frozen=True)
 class Send:
-    request_id: str
+    request_id: RequestId
     token: str
     block_ids: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True)
 class Load:
-    request_id: str
+    request_id: RequestId
     params: KVTransferParams
     block_ids: tuple[tuple[int, ...], ...]
 

@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.request import RequestStatus
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
-from hybrid_pd.api.signing import refusal, sign
+from hybrid_pd.api.signing import refusal
 from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.prefill import handover_params
 from hybrid_pd.connector.vllm.clip import BlockClipper
 from hybrid_pd.connector.vllm.first_token import REPLY_KEY, FirstTokens
 from hybrid_pd.connector.vllm.metadata import HybridPDHandshake, HybridPDMetadata, Load, Send
+from hybrid_pd.kvcache.ids import EngineId
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,7 +48,7 @@ class SchedulerHalf:
         *,
         vllm_config: VllmConfig,
         kv_cache_config: KVCacheConfig,
-        engine_id: str,
+        engine_id: EngineId,
         layout: KVLayout,
         clipper: BlockClipper,
         is_producer: bool,
@@ -223,19 +225,14 @@ class SchedulerHalf:
         kept = self.clipper.clip(block_ids)
         token = secrets.token_urlsafe(32)
         self._meta.sends.append(Send(request.request_id, token, kept))
-        kv = KVTransferParams(
-            request_id=request.request_id,
-            block_ids=kept,
-            prompt_len=request.num_prompt_tokens,
-            first_token=request.output_token_ids[0],
-            engine_id=self.engine_id,
-            control_address=self.control_address,
-            fingerprint=self.layout.fingerprint,
-            transfer_token=token,
-            prompt_digest=prompt_digest(request.prompt_token_ids),
-        )
-        if self.secret is not None:  # decode servers not told of this one may pull then
-            kv = sign(kv, self.secret, self.lease_s)
+        kv = handover_params(
+            self,
+            request.request_id,
+            kept,
+            request.prompt_token_ids,
+            request.output_token_ids[0],
+            token,
+        ).to_dict()
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

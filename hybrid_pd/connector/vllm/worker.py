@@ -21,6 +21,7 @@ from hybrid_pd.connector.vllm.metrics import COUNTERS
 from hybrid_pd.connector.vllm.options import ConnectorOptions, rank_address
 from hybrid_pd.connector.vllm.pinning import unpinned
 from hybrid_pd.connector.vllm.plan import VllmPlan
+from hybrid_pd.kvcache.ids import EngineId, RequestId
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class WorkerHalf:
     def __init__(
         self,
         *,
-        engine_id: str,
+        engine_id: EngineId,
         layout: KVLayout,
         options: ConnectorOptions,
         secret: str | None,
@@ -87,7 +88,7 @@ class WorkerHalf:
                 scatter_gather=options.scatter_gather,
             )
 
-    def _freed(self, request_id: str) -> None:  # lease released, aborted or expired
+    def _freed(self, request_id: RequestId) -> None:  # lease released, aborted or expired
         with self._lock:
             self._sent.add(request_id)
 

@@ -17,28 +17,23 @@ after its conv, scan chunks of at most ``mamba_chunk_size`` tokens and ``time_st
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
+from hybrid_pd.engine.models.backbone import MixerOrAttentionLayer, StackCausalLM
 from hybrid_pd.engine.models.common import (
     DecoderSettings,
     GatedMLP,
-    RMSNorm,
     config_int,
-    load_checkpoint,
 )
 from hybrid_pd.engine.models.mamba2 import (
     Mamba2Dims,
     Mamba2Mixer,
     check_state_spec,
-    time_step_limit,
 )
 from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -65,27 +60,9 @@ class _Settings(DecoderSettings):
         n = _int(c, "num_hidden_layers", 32)
         self.specs: list[LayerSpec] = [specs[f"model.layers.{i}"] for i in range(n)]
 
-        heads = _int(c, "mamba_n_heads", 128)
         inner = int((c.get("mamba_expand") or 2) * self.hidden)
-        head_dim = c.get("mamba_d_head", "auto")
-        head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
-        if head_dim * heads != inner:
-            raise ValueError(
-                f"{_ARCH}: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden"
-            )
-        self.mamba = Mamba2Dims(
-            hidden=self.hidden,
-            heads=heads,
-            head_dim=head_dim,
-            groups=_int(c, "mamba_n_groups", 1),
-            state=_int(c, "mamba_d_state", 256),
-            conv_kernel=_int(c, "mamba_d_conv", 4),
-            chunk=_int(c, "mamba_chunk_size", 256),
-            eps=self.eps,
-            act=self.act,
-            conv_bias=bool(c.get("mamba_conv_bias", True)),
-            proj_bias=bool(c.get("mamba_proj_bias") or False),
-            dt_limit=time_step_limit(c.get("time_step_limit", (0.0, math.inf))),
+        self.mamba = Mamba2Dims.from_mamba_keys(
+            _ARCH, c, self.hidden, (inner, "mamba_expand * hidden"), self.eps, self.act
         )
         attn = [s for s in self.specs if isinstance(s, AttentionSpec)]
         self.head_dim = attn[0].head_dim if attn else 0
@@ -104,70 +81,36 @@ class _Settings(DecoderSettings):
         self.rotary_dim = int(self.head_dim * partial)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, s: _Settings, idx: int) -> None:
-        super().__init__()
-        name = f"model.layers.{idx}"
-        spec = s.specs[idx]
-        self.input_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        self.pre_ff_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        self.feed_forward = GatedMLP(s.hidden, s.intermediate, s.act, bias=s.mlp_bias)
-        if isinstance(spec, StateSpec):
-            check_state_spec(s.mamba, spec, name, _ARCH)
-            self.mamba = Mamba2Mixer(s.mamba, name)
-            self.self_attn = None
-        elif isinstance(spec, AttentionSpec):
-            self.self_attn = PagedSelfAttention(
-                name, s.hidden, s.num_heads, spec, bias=s.attn_bias, rotary_dim=s.rotary_dim
-            )
-            self.mamba = None
-        else:
-            raise ValueError(f"{_ARCH}: {name} has an unexpected cache spec {spec!r}")
+def _layer(s: _Settings, idx: int) -> MixerOrAttentionLayer:
+    """Attention (at ``attn_layer_indices``) or Mamba2, then a gated MLP."""
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cos_sin) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        h = self.mamba(h, batch) if self.mamba is not None else self.self_attn(h, batch, cos_sin)
-        x = x + h
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+    def mixer(name: str, spec: StateSpec) -> Mamba2Mixer:
+        check_state_spec(s.mamba, spec, name, _ARCH)
+        return Mamba2Mixer(s.mamba, name)
+
+    def attention(name: str, spec: AttentionSpec) -> PagedSelfAttention:
+        return PagedSelfAttention(
+            name, s.hidden, s.num_heads, spec, bias=s.attn_bias, rotary_dim=s.rotary_dim
+        )
+
+    mlp = GatedMLP(s.hidden, s.intermediate, s.act, bias=s.mlp_bias)
+    return MixerOrAttentionLayer(s, idx, _ARCH, mlp, mixer, attention)
 
 
-class _Backbone(nn.Module):
-    def __init__(self, s: _Settings) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(len(s.specs)))
-        self.final_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
-        self.inv_freq, self.rope_scale = inverse_frequencies(s.rope, max(s.rotary_dim, 2))
+class BambaForCausalLM(StackCausalLM):
+    arch, ignored = _ARCH, _IGNORED
 
-
-class BambaForCausalLM(nn.Module):
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        self.settings = s = _Settings(config)
-        self.model = _Backbone(s)
-        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
+        s = _Settings(config)
+        super().__init__(s, lambda i: _layer(s, i), len(s.specs))
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.model.inv_freq, self.model.rope_scale = inverse_frequencies(
+            s.rope, max(s.rotary_dim, 2)
+        )
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        embed = self.model.embed_tokens
-        x = embed(batch.input_ids.to(embed.weight.device))
+    def layer_inputs(self, batch: ForwardBatch, x: torch.Tensor) -> tuple:
         rot = None
         if self.settings.rotary_dim:
             positions = batch.positions.to(x.device)
             rot = cos_sin(self.model.inv_freq, positions, self.model.rope_scale, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, batch, rot)
-        return self.model.final_layernorm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight)
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the checkpoint's tensors in (see `load_checkpoint`)."""
-
-        def convert(key: str, tensor: torch.Tensor):
-            return () if any(part in key for part in _IGNORED) else ((key, tensor),)
-
-        load_checkpoint(self, weights, _ARCH, convert)
+        return batch, rot

@@ -227,6 +227,20 @@ def load_checkpoint(
         raise KeyError(f"{arch}: weights missing from the checkpoint: {missing[:8]}")
 
 
+def check_transposed(arch: str, name: str, tensor: torch.Tensor, param, perm) -> None:
+    """A checkpoint tensor stored with its dims in another order than ours: its shape must be
+    our parameter's permuted by `perm` (checked before the tensor is reordered, so a tensor
+    already in our order cannot slip through); no parameter: nothing to check here
+    (`copy_weight` names the unexpected tensor)."""
+    if param is None:
+        return
+    want = tuple(param.shape[p] for p in perm)
+    if tuple(tensor.shape) != want:
+        raise ValueError(
+            f"{arch}: weight {name!r} has shape {tuple(tensor.shape)}, expected {want}"
+        )
+
+
 def config_int(arch: str, key: str, value: Any, low: int = 1) -> int:
     """A config field's integer (a float holding one is accepted) of at least `low`; else
     ValueError naming the architecture and the field."""

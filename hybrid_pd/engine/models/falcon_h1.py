@@ -29,8 +29,7 @@ layer has attention, Mamba2 and the MLP).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,19 +38,19 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
+from hybrid_pd.engine.models.backbone import StackCausalLM
 from hybrid_pd.engine.models.common import (
     DecoderSettings,
     RMSNorm,
     activation,
     config_int,
-    load_checkpoint,
 )
 from hybrid_pd.engine.models.mamba2 import (
+    GatedRMSNorm,
     Mamba2Dims,
     Mamba2Mixer,
     as_float,
     check_state_spec,
-    time_step_limit,
 )
 from hybrid_pd.engine.models.rope import cos_sin, inverse_frequencies, rope_settings
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
@@ -110,26 +109,10 @@ class _Settings(DecoderSettings):
             if not isinstance(a, AttentionSpec) or not isinstance(m, StateSpec):
                 raise ValueError(f"{_ARCH}: layer {i} has unexpected cache specs {a!r}, {m!r}")
 
-        heads = _int(c, "mamba_n_heads", 128)
         inner = c.get("mamba_d_ssm", 1024)
         inner = int((c.get("mamba_expand") or 2) * self.hidden) if inner is None else int(inner)
-        head_dim = c.get("mamba_d_head", "auto")
-        head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
-        if head_dim * heads != inner:
-            raise ValueError(f"{_ARCH}: mamba_n_heads * mamba_d_head must equal mamba_d_ssm")
-        self.mamba = Mamba2Dims(
-            hidden=self.hidden,
-            heads=heads,
-            head_dim=head_dim,
-            groups=_int(c, "mamba_n_groups", 1),
-            state=_int(c, "mamba_d_state", 256),
-            conv_kernel=_int(c, "mamba_d_conv", 4),
-            chunk=_int(c, "mamba_chunk_size", 256),
-            eps=self.eps,
-            act=self.act,
-            conv_bias=bool(c.get("mamba_conv_bias", True)),
-            proj_bias=bool(c.get("mamba_proj_bias") or False),
-            dt_limit=time_step_limit(c.get("time_step_limit", (0.0, math.inf))),
+        self.mamba = Mamba2Dims.from_mamba_keys(
+            _ARCH, c, self.hidden, (inner, "mamba_d_ssm"), self.eps, self.act
         )
         self.head_dim = self.attn_specs[0].head_dim
         self.rope = rope_settings(c, _ARCH)
@@ -142,14 +125,8 @@ class _Settings(DecoderSettings):
         return torch.cat([torch.full((n,), m) for n, m in zip(sizes, self.ssm_mults, strict=True)])
 
 
-class NormThenGate(nn.Module):
+class NormThenGate(GatedRMSNorm):
     """Per-group RMSNorm of y, times its weight, then times silu(z) (norm before the gate)."""
-
-    def __init__(self, dim: int, group: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.group = group
-        self.eps = eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         g = y.float().unflatten(-1, (-1, self.group))
@@ -223,41 +200,21 @@ class DecoderLayer(nn.Module):
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
-class _Backbone(nn.Module):
-    def __init__(self, s: _Settings) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(s.num_layers))
-        self.final_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
-        self.inv_freq, self.rope_scale = inverse_frequencies(s.rope, s.head_dim)
+class FalconH1ForCausalLM(StackCausalLM):
+    arch, ignored = _ARCH, _IGNORED
 
-
-class FalconH1ForCausalLM(nn.Module):
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        self.settings = s = _Settings(config)
-        self.model = _Backbone(s)
-        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
+        s = _Settings(config)
+        super().__init__(s, lambda i: DecoderLayer(s, i), s.num_layers)
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.model.inv_freq, self.model.rope_scale = inverse_frequencies(s.rope, s.head_dim)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        embed = self.model.embed_tokens
-        x = embed(batch.input_ids.to(embed.weight.device)) * self.settings.embedding_mult
+    def embed(self, batch: ForwardBatch) -> torch.Tensor:
+        return super().embed(batch) * self.settings.embedding_mult
+
+    def layer_inputs(self, batch: ForwardBatch, x: torch.Tensor) -> tuple:
         positions = batch.positions.to(x.device)
-        rot = cos_sin(self.model.inv_freq, positions, self.model.rope_scale, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, batch, rot)
-        return self.model.final_layernorm(x)
+        return batch, cos_sin(self.model.inv_freq, positions, self.model.rope_scale, x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight) * self.settings.lm_head_mult
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the checkpoint's tensors in (see `load_checkpoint`)."""
-
-        def convert(key: str, tensor: torch.Tensor):
-            return () if any(part in key for part in _IGNORED) else ((key, tensor),)
-
-        load_checkpoint(self, weights, _ARCH, convert)
+        return super().compute_logits(hidden) * self.settings.lm_head_mult

@@ -24,10 +24,9 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.attention import RotaryAttention
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
-from hybrid_pd.engine.models.rope import norm_rotate
-from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear
-from hybrid_pd.engine.paged_attention import paged_attention
+from hybrid_pd.engine.onednn import PackedWeights, packed_linear
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -116,37 +115,22 @@ def _inv_freq(params: Mapping[str, Any], head_dim: int) -> torch.Tensor:
     return inv
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(RotaryAttention):
     def __init__(self, s: _Settings, layer_idx: int, kind: str) -> None:
-        super().__init__()
-        hidden = int(s.get("hidden_size"))
-        self.num_heads = int(s.get("num_attention_heads"))
-        self.num_kv_heads = int(s.get("num_key_value_heads"))
-        self.head_dim = int(s.get("head_dim"))
-        bias = bool(s.get("attention_bias"))
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        super().__init__(
+            layer_idx,
+            scale=float(s.get("query_pre_attn_scalar")) ** -0.5,
+            window=int(s.get("sliding_window")) if kind == SLIDING else None,
+            hidden=int(s.get("hidden_size")),
+            num_heads=int(s.get("num_attention_heads")),
+            num_kv_heads=int(s.get("num_key_value_heads")),
+            head_dim=int(s.get("head_dim")),
+            bias=bool(s.get("attention_bias")),
+        )
         eps = float(s.get("rms_norm_eps"))
         self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
-        self.layer_name = f"model.layers.{layer_idx}"
         self.kind = kind
-        self.scale = float(s.get("query_pre_attn_scalar")) ** -0.5
-        self.window = int(s.get("sliding_window")) if kind == SLIDING else None
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self._qkv(x)
-        q = norm_rotate(q.view(t, self.num_heads, self.head_dim), cos, sin, self.q_norm)
-        k = norm_rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin, self.k_norm)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(self.layer_name, q, k, v, batch, scale=self.scale, window=self.window)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class Gemma3DecoderLayer(nn.Module):

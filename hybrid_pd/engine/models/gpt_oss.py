@@ -28,21 +28,25 @@ interleaving undone once, at load). MXFP4-quantized checkpoints (``*_blocks`` /
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import project_heads
+from hybrid_pd.engine.models.attention import RotaryAttention, head_sizes, sliding_window
 from hybrid_pd.engine.models.backbone import RopeCausalLM
-from hybrid_pd.engine.models.common import RMSNorm, add_routed, config_int, load_checkpoint
-from hybrid_pd.engine.models.rope import cos_sin, norm_rotate, rope_settings
-from hybrid_pd.engine.onednn import FusedLinears, linear
-from hybrid_pd.engine.paged_attention import paged_attention
+from hybrid_pd.engine.models.common import (
+    RMSNorm,
+    add_routed,
+    check_transposed,
+    config_int,
+)
+from hybrid_pd.engine.models.rope import cos_sin, rope_settings
+from hybrid_pd.engine.onednn import linear
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
-from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
+from hybrid_pd.kvcache.specs import AttentionSpec
 
 _ARCH = "gpt-oss"
 # GptOssConfig's RoPE when a config names none (transformers 5.24).
@@ -101,37 +105,17 @@ class _Settings:
                 f"num_key_value_heads {self.num_kv_heads}"
             )
 
-    @staticmethod
-    def window(spec: AttentionSpec) -> int | None:
-        return spec.window if isinstance(spec, SlidingWindowSpec) else None
 
-
-class Attention(nn.Module):
+class Attention(RotaryAttention):
     def __init__(self, s: _Settings, idx: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = s.attention_bias
-        self.q_proj = nn.Linear(s.hidden, q_out, bias=bias)
-        self.k_proj = nn.Linear(s.hidden, kv_out, bias=bias)
-        self.v_proj = nn.Linear(s.hidden, kv_out, bias=bias)
-        self.o_proj = nn.Linear(q_out, s.hidden, bias=bias)
-        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
-        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
-        self.layer_name = f"model.layers.{idx}"
-        self.scale = self.head_dim**-0.5
-        self.window = s.window(s.specs[idx])
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = project_heads(self._qkv, x, self.num_heads, self.num_kv_heads, self.head_dim)
-        q, k = norm_rotate(q, cos, sin), norm_rotate(k, cos, sin)
-        out = paged_attention(
-            self.layer_name, q, k, v, batch, scale=self.scale, window=self.window, sinks=self.sinks
+        super().__init__(
+            idx,
+            scale=s.head_dim**-0.5,
+            window=sliding_window(s.specs[idx]),
+            **head_sizes(s),
+            bias=s.attention_bias,
         )
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads))
 
 
 class Experts(nn.Module):
@@ -185,6 +169,8 @@ class DecoderLayer(nn.Module):
 
 
 class GptOssForCausalLM(RopeCausalLM):
+    arch = _ARCH
+
     def __init__(self, config: dict) -> None:
         s = _Settings(config)
         super().__init__(
@@ -196,43 +182,25 @@ class GptOssForCausalLM(RopeCausalLM):
             cos_sin,
         )
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing weights
-        raise (KeyError / ValueError), naming the tensor."""
-        params = dict(self.named_parameters())
-
-        def convert(key: str, tensor: torch.Tensor):
-            if key.endswith(_QUANTIZED_SUFFIXES):
-                raise NotImplementedError(
-                    f"{_ARCH}: {key!r} is MXFP4-quantized; the engine needs a checkpoint "
-                    "with plain (bfloat16 / float32) expert weights"
-                )
-            return ((key, _our_layout(key, tensor, params.get(key))),)
-
-        load_checkpoint(self, weights, _ARCH, convert)
+    def convert(self, key: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]):
+        if key.endswith(_QUANTIZED_SUFFIXES):
+            raise NotImplementedError(
+                f"{_ARCH}: {key!r} is MXFP4-quantized; the engine needs a checkpoint "
+                "with plain (bfloat16 / float32) expert weights"
+            )
+        return ((key, _our_layout(key, tensor, params.get(key))),)
 
 
 def _our_layout(key: str, tensor: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
     """A checkpoint expert tensor in our layout (other tensors unchanged). The checkpoint's
     shape is checked first, so a transposed tensor cannot slip through."""
     if key.endswith("experts.gate_up_proj"):  # [E, hidden, 2I], gate / up interleaved
-        _check_shape(key, tensor, param, (0, 2, 1))
+        check_transposed(_ARCH, key, tensor, param, (0, 2, 1))
         w = tensor.transpose(1, 2)
         return torch.cat([w[:, 0::2], w[:, 1::2]], dim=1)
     if key.endswith("experts.gate_up_proj_bias"):  # [E, 2I], interleaved
         return torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)
     if key.endswith("experts.down_proj"):  # [E, I, hidden]
-        _check_shape(key, tensor, param, (0, 2, 1))
+        check_transposed(_ARCH, key, tensor, param, (0, 2, 1))
         return tensor.transpose(1, 2)
     return tensor
-
-
-def _check_shape(key, tensor, param, perm) -> None:
-    if param is None:
-        return  # copy_weight names the unexpected tensor
-    want = tuple(param.shape[p] for p in perm)
-    if tuple(tensor.shape) != want:
-        raise ValueError(
-            f"{_ARCH}: weight {key!r} has shape {tuple(tensor.shape)}, expected {want}"
-        )

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.attention import AttentionProjections
 from hybrid_pd.engine.models.common import (
     RMSNorm,
     Rotary,
@@ -30,7 +31,7 @@ from hybrid_pd.engine.models.common import (
     copy_weight,
 )
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
-from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear, run_packed
+from hybrid_pd.engine.onednn import PackedWeights, packed_linear, run_packed
 from hybrid_pd.engine.paged_attention import paged_attention
 
 _LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
@@ -119,28 +120,18 @@ class _Settings:
 # --------------------------------------------------------------------------- attention / MLP
 
 
-class Attention(nn.Module):
+class Attention(AttentionProjections):
     def __init__(self, s: _Settings, name: str) -> None:
-        super().__init__()
+        super().__init__(s.hidden, s.n_heads, s.n_kv, s.head_dim, bias=s.attn_bias)
         self.name = name
-        self.n_heads, self.n_kv, self.head_dim = s.n_heads, s.n_kv, s.head_dim
         self.scale = s.attention_multiplier
-        bias = s.attn_bias
-        self.q_proj = nn.Linear(s.hidden, s.n_heads * s.head_dim, bias=bias)
-        self.k_proj = nn.Linear(s.hidden, s.n_kv * s.head_dim, bias=bias)
-        self.v_proj = nn.Linear(s.hidden, s.n_kv * s.head_dim, bias=bias)
-        self.o_proj = nn.Linear(s.n_heads * s.head_dim, s.hidden, bias=bias)
-        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         self.rotary = (
             Rotary(s.head_dim, s.rope_theta, scaling_factor=s.rope_factor) if s.rope else None
         )
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = h.shape[0]
-        q, k, v = self._qkv(h)
-        q = q.view(t, self.n_heads, self.head_dim)
-        k = k.view(t, self.n_kv, self.head_dim)
-        v = v.view(t, self.n_kv, self.head_dim)
+        q, k, v = self.project(h)
         if self.rotary is not None:
             q = self.rotary(q, batch.positions)
             k = self.rotary(k, batch.positions)

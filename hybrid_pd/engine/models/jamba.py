@@ -21,15 +21,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
+from hybrid_pd.engine.models.backbone import MixerOrAttentionLayer, StackCausalLM
 from hybrid_pd.engine.models.common import (
     DecoderSettings,
     GatedMLP,
-    RMSNorm,
     add_routed,
     config_int,
     load_checkpoint,
@@ -101,58 +99,24 @@ class SparseMoE(nn.Module):
         return add_routed(torch.zeros_like(x), top_idx, contribution)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, s: _Settings, idx: int) -> None:
-        super().__init__()
-        name = f"model.layers.{idx}"
-        spec = s.specs[idx]
-        self.input_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        self.pre_ff_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-        self.feed_forward = (
-            SparseMoE(s) if s.moe[idx] else GatedMLP(s.hidden, s.intermediate, s.act)
-        )
-        if isinstance(spec, StateSpec):
-            check_state_spec(s.mamba, spec, name, _ARCH)
-            self.mamba = Mamba1Mixer(s.mamba, name)
-            self.self_attn = None
-        elif isinstance(spec, AttentionSpec):
-            self.self_attn = PagedSelfAttention(name, s.hidden, s.num_heads, spec)
-            self.mamba = None
-        else:
-            raise ValueError(f"{_ARCH}: {name} has an unexpected cache spec {spec!r}")
+def _layer(s: _Settings, idx: int) -> MixerOrAttentionLayer:
+    """Mamba1 or attention, then a SwiGLU MLP or a MoE of them."""
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        h = self.mamba(h, batch) if self.mamba is not None else self.self_attn(h, batch)
-        x = x + h
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
+    def mixer(name: str, spec: StateSpec) -> Mamba1Mixer:
+        check_state_spec(s.mamba, spec, name, _ARCH)
+        return Mamba1Mixer(s.mamba, name)
+
+    def attention(name: str, spec: AttentionSpec) -> PagedSelfAttention:
+        return PagedSelfAttention(name, s.hidden, s.num_heads, spec)
+
+    ff = SparseMoE(s) if s.moe[idx] else GatedMLP(s.hidden, s.intermediate, s.act)
+    return MixerOrAttentionLayer(s, idx, _ARCH, ff, mixer, attention)
 
 
-class _Backbone(nn.Module):
-    def __init__(self, s: _Settings) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s, i) for i in range(len(s.specs)))
-        self.final_layernorm = RMSNorm(s.hidden, s.eps, scale_after_cast=True)
-
-
-class JambaForCausalLM(nn.Module):
+class JambaForCausalLM(StackCausalLM):
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        self.settings = s = _Settings(config)
-        self.model = _Backbone(s)
-        self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
-
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        embed = self.model.embed_tokens
-        x = embed(batch.input_ids.to(embed.weight.device))
-        for layer in self.model.layers:
-            x = layer(x, batch)
-        return self.model.final_layernorm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight)
+        s = _Settings(config)
+        super().__init__(s, lambda i: _layer(s, i), len(s.specs))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -29,14 +29,13 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import project_heads
+from hybrid_pd.engine.models.attention import RotaryAttention, head_sizes, sliding_window
 from hybrid_pd.engine.models.backbone import RopeBackbone
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, load_checkpoint
-from hybrid_pd.engine.models.rope import cos_sin, norm_rotate, rope_settings
-from hybrid_pd.engine.onednn import FusedLinears, PackedWeights, packed_linear
-from hybrid_pd.engine.paged_attention import paged_attention
+from hybrid_pd.engine.models.rope import cos_sin, rope_settings
+from hybrid_pd.engine.onednn import PackedWeights, packed_linear
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
-from hybrid_pd.kvcache.specs import AttentionSpec, SlidingWindowSpec
+from hybrid_pd.kvcache.specs import AttentionSpec
 
 # Buffers that old checkpoints saved with the weights; recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -108,39 +107,20 @@ class _Settings:
     def flag(self, switch: bool | str) -> bool:
         return switch if isinstance(switch, bool) else bool(self.config.get(switch) or False)
 
-    @staticmethod
-    def window(spec: AttentionSpec) -> int | None:
-        return spec.window if isinstance(spec, SlidingWindowSpec) else None
 
-
-class Attention(nn.Module):
+class Attention(RotaryAttention):
     def __init__(self, s: _Settings, layer_idx: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        qkv_bias, o_bias = s.flag(s.family.qkv_bias), s.flag(s.family.o_bias)
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(s.hidden, q_out, bias=qkv_bias)
-        self.k_proj = nn.Linear(s.hidden, kv_out, bias=qkv_bias)
-        self.v_proj = nn.Linear(s.hidden, kv_out, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_out, s.hidden, bias=o_bias)
-        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        super().__init__(
+            layer_idx,
+            scale=s.head_dim**-0.5,
+            window=sliding_window(s.layers[layer_idx]),
+            **head_sizes(s),
+            bias=s.flag(s.family.qkv_bias),
+            o_bias=s.flag(s.family.o_bias),
+        )
         if s.family.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, s.eps, scale_after_cast=True)
             self.k_norm = RMSNorm(self.head_dim, s.eps, scale_after_cast=True)
-        else:
-            self.q_norm = self.k_norm = None
-        self.layer_name = f"model.layers.{layer_idx}"
-        self.scale = self.head_dim**-0.5
-        self.window = s.window(s.layers[layer_idx])
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = project_heads(self._qkv, x, self.num_heads, self.num_kv_heads, self.head_dim)
-        q, k = norm_rotate(q, cos, sin, self.q_norm), norm_rotate(k, cos, sin, self.k_norm)
-        out = paged_attention(self.layer_name, q, k, v, batch, scale=self.scale, window=self.window)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):

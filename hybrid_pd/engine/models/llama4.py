@@ -36,25 +36,25 @@ parameters here keep those names but hold the expert matrices as [E, out, in] (t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
-from hybrid_pd.engine.models.attention import project_heads
+from hybrid_pd.engine.models.attention import AttentionProjections, head_sizes
 from hybrid_pd.engine.models.backbone import RopeCausalLM
 from hybrid_pd.engine.models.common import (
     GatedMLP,
     RMSNorm,
     activation,
     add_routed,
+    check_transposed,
     config_int,
-    load_checkpoint,
 )
 from hybrid_pd.engine.models.rope import rope_settings
-from hybrid_pd.engine.onednn import FusedLinears, linear
+from hybrid_pd.engine.onednn import linear
 from hybrid_pd.engine.paged_attention import paged_attention
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, ChunkedLocalSpec
@@ -188,17 +188,9 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(AttentionProjections):
     def __init__(self, s: _Settings, idx: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = s.attention_bias
-        self.q_proj = nn.Linear(s.hidden, q_out, bias=bias)
-        self.k_proj = nn.Linear(s.hidden, kv_out, bias=bias)
-        self.v_proj = nn.Linear(s.hidden, kv_out, bias=bias)
-        self.o_proj = nn.Linear(q_out, s.hidden, bias=bias)
-        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
+        super().__init__(**head_sizes(s), bias=s.attention_bias)
         self.layer_name = f"model.layers.{idx}"
         self.scale = self.head_dim**-0.5
         self.use_rope = s.use_rope[idx]
@@ -212,7 +204,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = project_heads(self._qkv, x, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
         if self.use_rope:
             q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         if self.qk_norm_eps is not None:
@@ -285,6 +277,8 @@ def _pair_tables(inv_freq, positions, rope_scale, dtype):
 
 
 class Llama4ForCausalLM(RopeCausalLM):
+    arch = _ARCH
+
     def __init__(self, config: dict) -> None:
         s = _Settings(config)
         super().__init__(
@@ -296,23 +290,13 @@ class Llama4ForCausalLM(RopeCausalLM):
             _pair_tables,
         )
 
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy the checkpoint's tensors in; unknown names, wrong shapes and missing weights
-        raise (KeyError / ValueError), naming the tensor."""
-        params = dict(self.named_parameters())
-
-        def convert(name: str, tensor: torch.Tensor):
-            if name.startswith(_IGNORED) or name.endswith(_IGNORED_SUFFIXES):
-                return ()
-            key = next(
-                (new + name[len(old) :] for old, new in _PREFIXES if name.startswith(old)), None
-            )
-            if key is None:
-                raise KeyError(f"{_ARCH}: unexpected weight {name!r}")
-            return ((key, _our_layout(name, key, tensor, params.get(key))),)
-
-        load_checkpoint(self, weights, _ARCH, convert)
+    def convert(self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]):
+        if name.startswith(_IGNORED) or name.endswith(_IGNORED_SUFFIXES):
+            return ()
+        key = next((new + name[len(old) :] for old, new in _PREFIXES if name.startswith(old)), None)
+        if key is None:
+            raise KeyError(f"{_ARCH}: unexpected weight {name!r}")
+        return ((key, _our_layout(name, key, tensor, params.get(key))),)
 
 
 def _our_layout(name: str, key: str, tensor: torch.Tensor, param) -> torch.Tensor:
@@ -320,10 +304,5 @@ def _our_layout(name: str, key: str, tensor: torch.Tensor, param) -> torch.Tenso
     are. The checkpoint's shape is checked first, so a transposed tensor cannot slip through."""
     if not key.endswith(("experts.gate_up_proj", "experts.down_proj")):
         return tensor
-    if param is not None:
-        want = (param.shape[0], param.shape[2], param.shape[1])
-        if tuple(tensor.shape) != want:
-            raise ValueError(
-                f"{_ARCH}: weight {name!r} has shape {tuple(tensor.shape)}, expected {want}"
-            )
+    check_transposed(_ARCH, name, tensor, param, (0, 2, 1))
     return tensor.transpose(1, 2)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,12 @@ from torch import nn
 
 from hybrid_pd.engine import cpu_kernels
 from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
-from hybrid_pd.engine.models.common import activation, causal_exp_floor, exp_or_zero
+from hybrid_pd.engine.models.common import (
+    activation,
+    causal_exp_floor,
+    config_int,
+    exp_or_zero,
+)
 from hybrid_pd.engine.paged import (
     StateRows,
     read_state,
@@ -81,6 +87,40 @@ class Mamba2Dims:
     def __post_init__(self) -> None:
         if self.heads % self.groups:
             raise ValueError(f"Mamba2: {self.heads} heads do not split into {self.groups} groups")
+
+    @classmethod
+    def from_mamba_keys(
+        cls,
+        arch: str,
+        c: Mapping[str, Any],
+        hidden: int,
+        inner: tuple[int, str],
+        eps: float,
+        act: str,
+    ) -> Mamba2Dims:
+        """The mixer of a config that names it with ``mamba_*`` keys (Bamba, Falcon-H1), of
+        inner size ``inner[0]`` (``inner[1]`` names where it comes from in errors); the head
+        dim is ``mamba_d_head``, or the inner size over the heads when "auto"."""
+        size, source = inner
+        heads = config_int(arch, "mamba_n_heads", c.get("mamba_n_heads", 128))
+        head_dim = c.get("mamba_d_head", "auto")
+        head_dim = size // heads if head_dim in (None, "auto") else int(head_dim)
+        if head_dim * heads != size:
+            raise ValueError(f"{arch}: mamba_n_heads * mamba_d_head must equal {source}")
+        return cls(
+            hidden=hidden,
+            heads=heads,
+            head_dim=head_dim,
+            groups=config_int(arch, "mamba_n_groups", c.get("mamba_n_groups", 1)),
+            state=config_int(arch, "mamba_d_state", c.get("mamba_d_state", 256)),
+            conv_kernel=config_int(arch, "mamba_d_conv", c.get("mamba_d_conv", 4)),
+            chunk=config_int(arch, "mamba_chunk_size", c.get("mamba_chunk_size", 256)),
+            eps=eps,
+            act=act,
+            conv_bias=bool(c.get("mamba_conv_bias", True)),
+            proj_bias=bool(c.get("mamba_proj_bias") or False),
+            dt_limit=time_step_limit(c.get("time_step_limit", (0.0, math.inf))),
+        )
 
     @property
     def inner(self) -> int:

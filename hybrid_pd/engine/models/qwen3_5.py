@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
+from hybrid_pd.engine.models.attention import AttentionProjections
 from hybrid_pd.engine.models.common import (
     GatedMLP,
     RMSNorm,
@@ -48,7 +49,7 @@ from hybrid_pd.engine.models.common import (
     add_routed,
 )
 from hybrid_pd.engine.models.gated_deltanet import GatedDeltaNet
-from hybrid_pd.engine.onednn import FusedLinears, linear
+from hybrid_pd.engine.onednn import linear
 from hybrid_pd.engine.paged_attention import paged_attention
 
 __all__ = [
@@ -119,21 +120,20 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float, float]:
 # --------------------------------------------------------------------------- delta rule
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(AttentionProjections):
     def __init__(self, cfg: Mapping[str, Any], layer_name: str) -> None:
-        super().__init__()
         hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        super().__init__(
+            hidden,
+            heads,
+            int(cfg.get("num_key_value_heads") or heads),
+            int(cfg.get("head_dim") or hidden // heads),
+            bias=bool(cfg.get("attention_bias", False)),
+            q_per_head=2,
+        )
         self.layer_name = layer_name
-        self.heads = int(cfg["num_attention_heads"])
-        self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
-        self.head_dim = int(cfg.get("head_dim") or hidden // self.heads)
-        bias = bool(cfg.get("attention_bias", False))
         eps = float(cfg.get("rms_norm_eps", 1e-6))
-        self.q_proj = nn.Linear(hidden, self.heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, hidden, bias=bias)
-        self._qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         self.k_norm = RMSNorm(self.head_dim, eps, offset=1.0)
         theta, factor = _rope(cfg)
@@ -142,15 +142,15 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
         qg, k, v = self._qkv(x)
-        qg = qg.view(t, self.heads, 2 * self.head_dim)
+        qg = qg.view(t, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
-        k = k.view(t, self.kv_heads, self.head_dim)
-        v = v.view(t, self.kv_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q = self.rotary(self.q_norm(q), batch.positions)
         k = self.rotary(self.k_norm(k), batch.positions)
         o = paged_attention(self.layer_name, q, k, v, batch, scale=self.head_dim**-0.5)
         o = o * torch.sigmoid(gate)
-        return self.o_proj(o.reshape(t, self.heads * self.head_dim))
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
 class SparseMoE(nn.Module):

@@ -11,6 +11,7 @@ mixer's out_proj, a whole MoE block) are all-reduced.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,6 +44,13 @@ class TPConfigError(ValueError):
 
 def text_config(cfg: Mapping[str, Any]) -> dict:
     return cfg["text_config"] if isinstance(cfg.get("text_config"), Mapping) else cfg
+
+
+def rank_config(cfg: Mapping[str, Any]) -> tuple[dict, dict]:
+    """A deep copy of the checkpoint's config, to be rewritten into one rank's, and the
+    part of it that holds the text model's sizes (`text_config`)."""
+    rank = copy.deepcopy(cfg)
+    return rank, text_config(rank)
 
 
 def config_int(text: Mapping[str, Any], key: str, default: Any = None) -> int:
@@ -85,6 +93,25 @@ def gated_mlp_rules(prefix: str, inter: int) -> tuple[tuple[str, Rule], ...]:
     )
 
 
+def split_width(text: dict, key: str, size: int, default: Any = None) -> int:
+    """Writes the rank's share of the width `key` (an MLP's or the experts' intermediate
+    size) into `text`; returns the whole model's."""
+    whole = config_int(text, key, default)
+    text[key] = divide(key, whole, size)
+    return whole
+
+
+def split_attention(
+    text: dict, size: int, prefix: str = r".*\.self_attn", gated_query: bool = False
+) -> tuple[tuple[tuple[str, Rule], ...], int]:
+    """Writes the rank's attention sizes into `text` (`attention_sizes`); returns the rules
+    of the attention modules named `prefix` and the whole model's query-head count.
+    `gated_query`: each query head's rows are followed by its gate's (Qwen3.5)."""
+    heads, kv, head_dim = attention_sizes(text, size)
+    q_width = 2 * head_dim if gated_query else 0
+    return attention_rules(prefix, heads, kv, head_dim, q_width), heads
+
+
 def attention_sizes(text: dict, size: int) -> tuple[int, int, int]:
     heads = config_int(text, "num_attention_heads")
     kv = int(text.get("num_key_value_heads") or heads)
@@ -109,25 +136,35 @@ def mamba2_rules(prefix: str, heads: int, head_dim: int, groups: int, state: int
     )
 
 
-def mamba2_expand_sizes(text: dict, size: int) -> tuple[int, int, int, int, int]:
-    """Granite-4.0-H's and Bamba's Mamba2 fields (inner size ``mamba_expand * hidden``):
-    writes the rank's heads, groups, head dim and expand into `text`; returns the whole
-    model's (heads, head_dim, groups, state, inner)."""
-    hidden = config_int(text, "hidden_size")
+def mamba2_heads(text: dict, size: int, inner: int) -> tuple[int, int, int, int]:
+    """The Mamba2 head / group fields of Granite-4.0-H, Bamba and Falcon-H1 for an inner
+    size `inner`: writes the rank's heads, groups and head dim into `text`; returns the
+    whole model's (heads, head_dim, groups, state)."""
     heads = config_int(text, "mamba_n_heads", 128)
     groups = config_int(text, "mamba_n_groups", 1)
     state = config_int(text, "mamba_d_state", 256)
-    expand = float(text.get("mamba_expand") or 2)
-    inner = int(expand * hidden)
     d_head = text.get("mamba_d_head", "auto")
     head_dim = inner // heads if d_head in (None, "auto") else int(d_head)
     text["mamba_n_heads"] = divide("mamba_n_heads", heads, size)
     text["mamba_n_groups"] = divide("mamba_n_groups", groups, size, replicate=True)
     text["mamba_d_head"] = head_dim
+    return heads, head_dim, groups, state
+
+
+def split_mamba2_expand(
+    text: dict, size: int, prefix: str
+) -> tuple[tuple[tuple[str, Rule], ...], int, int]:
+    """Granite-4.0-H's and Bamba's Mamba2 mixers named `prefix` (inner size
+    ``mamba_expand * hidden``): writes the rank's sizes into `text` (`mamba2_heads`, and
+    the expand); returns the mixers' rules, the whole model's group count and inner size."""
+    hidden = config_int(text, "hidden_size")
+    expand = float(text.get("mamba_expand") or 2)
+    inner = int(expand * hidden)
+    heads, head_dim, groups, state = mamba2_heads(text, size, inner)
     text["mamba_expand"] = expand / size
     if int(text["mamba_expand"] * hidden) != inner // size:
         raise TPConfigError(f"the Mamba2 inner size {inner} does not split over {size} ranks")
-    return heads, head_dim, groups, state, inner
+    return mamba2_rules(prefix, heads, head_dim, groups, state), groups, inner
 
 
 def span_mamba2_norms(groups: int, inner: int, before_gate: bool = False):

@@ -2,37 +2,27 @@
 
 from __future__ import annotations
 
-import copy
 import math
 
-from hybrid_pd.engine.tp.plans.base import (
-    TPConfigError,
-    TPPlan,
-    attention_rules,
-    attention_sizes,
-    config_int,
-    divide,
-    text_config,
-)
+from hybrid_pd.engine.tp.plans import base
 from hybrid_pd.engine.tp.shard import LEADER_ONLY, ParamRules, Seg, Split
 
 
-def plan(cfg: dict, size: int) -> TPPlan:
+def plan(cfg: dict, size: int) -> base.TPPlan:
     """Jamba: attention heads split as in the dense plans; each Mamba1 mixer's inner channels
     split with their conv and SSM state rows (in_proj [x | z], conv1d, dt_proj, A_log, D),
     x_proj row-parallel: its (dt, B, C) are sums over every inner channel, so they are
     all-reduced before the dt / B / C norms and dt_proj, which then run whole on every rank;
     out_proj row-parallel. An MLP or every expert of a MoE splits its width; the whole
     feed-forward block is all-reduced once."""
-    rank = copy.deepcopy(cfg)
-    text = text_config(rank)
-    heads, kv, head_dim = attention_sizes(text, size)
-    hidden = config_int(text, "hidden_size")
-    expand = config_int(text, "mamba_expand", 2)
+    rank, text = base.rank_config(cfg)
+    rules, _ = base.split_attention(text, size)
+    hidden = base.config_int(text, "hidden_size")
+    expand = base.config_int(text, "mamba_expand", 2)
     if expand % size:
         # the model and the cache planner read the inner size as mamba_expand (an integer)
         # times hidden_size, so a rank's inner size must be a whole multiple of hidden_size
-        raise TPConfigError(
+        raise base.TPConfigError(
             f"tensor-parallel size {size} must be a divisor of mamba_expand ({expand}): "
             "Jamba's Mamba inner size is mamba_expand x hidden_size, an integer multiple on "
             "every rank"
@@ -41,10 +31,8 @@ def plan(cfg: dict, size: int) -> TPPlan:
     text["mamba_expand"] = expand // size
     dt_rank = text.get("mamba_dt_rank", "auto")
     text["mamba_dt_rank"] = math.ceil(hidden / 16) if dt_rank in (None, "auto") else int(dt_rank)
-    inter = config_int(text, "intermediate_size")
-    text["intermediate_size"] = divide("intermediate_size", inter, size)
+    inter = base.split_width(text, "intermediate_size", size)
     ch = (Seg(inner),)
-    rules = attention_rules(r".*\.self_attn", heads, kv, head_dim)
     rules += (
         (r".*\.mamba\.in_proj\.(weight|bias)", Split(0, (Seg(inner), Seg(inner)))),
         (r".*\.mamba\.(conv1d|dt_proj)\.(weight|bias)", Split(0, ch)),
@@ -64,4 +52,4 @@ def plan(cfg: dict, size: int) -> TPPlan:
         r".*\.mamba\.out_proj",
         r".*\.feed_forward",
     )
-    return TPPlan(size, rank, ParamRules(rules), reduce)
+    return base.TPPlan(size, rank, ParamRules(rules), reduce)

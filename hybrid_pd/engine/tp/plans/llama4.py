@@ -2,41 +2,29 @@
 
 from __future__ import annotations
 
-import copy
-
-from hybrid_pd.engine.tp.plans.base import (
-    TPPlan,
-    attention_rules,
-    attention_sizes,
-    config_int,
-    divide,
-    gated_mlp_rules,
-    text_config,
-)
+from hybrid_pd.engine.tp.plans import base
 from hybrid_pd.engine.tp.shard import ParamRules, Seg, Split
 
 
-def plan(cfg: dict, size: int) -> TPPlan:
+def plan(cfg: dict, size: int) -> base.TPPlan:
     """Llama 4: chunked local (RoPE) or global (NoPE) attention, query heads split (the L2
     q / k norm and the temperature tuning act per head, weightless); a MoE (stacked experts
     [E, gate rows | up rows, hidden] and [E, hidden, I], plus a shared SwiGLU expert of the
     same width) or a dense SwiGLU MLP of ``intermediate_size_mlp``, each split by width and
     all-reduced once as a whole feed-forward block. The router stays whole."""
-    rank = copy.deepcopy(cfg)
-    text = text_config(rank)
+    rank, text = base.rank_config(cfg)
     # Llama4TextConfig's defaults (head_dim 128, 8 KV heads) before the generic rules
     text.setdefault("head_dim", 128)
     text.setdefault("num_key_value_heads", 8)
-    heads, kv, head_dim = attention_sizes(text, size)
-    inter = config_int(text, "intermediate_size", 8192)
-    mlp = config_int(text, "intermediate_size_mlp", 16384)
-    text["intermediate_size"] = divide("intermediate_size", inter, size)
-    text["intermediate_size_mlp"] = divide("intermediate_size_mlp", mlp, size)
-    rules = attention_rules(r".*\.self_attn", heads, kv, head_dim)
-    rules += gated_mlp_rules(r".*\.feed_forward\.shared_expert", inter)
-    rules += gated_mlp_rules(r".*\.feed_forward", mlp)
+    rules, _ = base.split_attention(text, size)
+    inter = base.split_width(text, "intermediate_size", size, 8192)
+    mlp = base.split_width(text, "intermediate_size_mlp", size, 16384)
+    rules += base.gated_mlp_rules(r".*\.feed_forward\.shared_expert", inter)
+    rules += base.gated_mlp_rules(r".*\.feed_forward", mlp)
     rules += (
         (r".*\.feed_forward\.experts\.gate_up_proj", Split(1, (Seg(inter), Seg(inter)))),
         (r".*\.feed_forward\.experts\.down_proj", Split(2, (Seg(inter),))),
     )
-    return TPPlan(size, rank, ParamRules(rules), (r".*\.self_attn\.o_proj", r".*\.feed_forward"))
+    return base.TPPlan(
+        size, rank, ParamRules(rules), (r".*\.self_attn\.o_proj", r".*\.feed_forward")
+    )

@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-import copy
-
 from hybrid_pd.engine.models.nemotron_h import layer_kinds
-from hybrid_pd.engine.tp.plans.base import (
-    TPPlan,
-    attention_rules,
-    attention_sizes,
-    divide,
-    mamba2_rules,
-    span_mamba2_norms,
-    text_config,
-)
+from hybrid_pd.engine.tp.plans import base
 from hybrid_pd.engine.tp.shard import LEADER_ONLY, ParamRules, Seg, Split
 
 
@@ -31,27 +21,25 @@ def _set(text: dict, key: str, legacy: str | None, value: int) -> None:
         text[legacy] = value
 
 
-def plan(cfg: dict, size: int) -> TPPlan:
+def plan(cfg: dict, size: int) -> base.TPPlan:
     """Nemotron-H: blocks of one mixer each (Mamba2, attention, relu2 MLP or MoE with a
     shared expert), every block named ``mixer`` and every mixer ending row-parallel, so
     each block's output is the one all-reduce. The MoE splits each routed expert's and the
     shared expert's width; the router and the optional latent projections (hidden <->
     ``moe_latent_size``) are replicated, the latter's output bias kept by rank 0."""
-    rank = copy.deepcopy(cfg)
-    text = text_config(rank)
+    rank, text = base.rank_config(cfg)
     if text.get("head_dim") is None and text.get("attention_head_dim") is not None:
         text["head_dim"] = int(text["attention_head_dim"])
-    heads, kv, head_dim = attention_sizes(text, size)
+    rules, _ = base.split_attention(text, size, r".*\.mixer")
     m_heads = _field(text, "mamba_num_heads", None, 128)
     m_head_dim = _field(text, "mamba_head_dim", None, 64)
     groups = _field(text, "n_groups", "mamba_n_groups", 8)
     state = _field(text, "ssm_state_size", None, 128)
-    _set(text, "mamba_num_heads", None, divide("mamba_num_heads", m_heads, size))
-    _set(text, "n_groups", "mamba_n_groups", divide("n_groups", groups, size, replicate=True))
+    _set(text, "mamba_num_heads", None, base.divide("mamba_num_heads", m_heads, size))
+    _set(text, "n_groups", "mamba_n_groups", base.divide("n_groups", groups, size, replicate=True))
     inter = _field(text, "intermediate_size", None, 21504)
-    text["intermediate_size"] = divide("intermediate_size", inter, size)
-    rules = attention_rules(r".*\.mixer", heads, kv, head_dim)
-    rules += mamba2_rules(r".*\.mixer", m_heads, m_head_dim, groups, state)
+    text["intermediate_size"] = base.divide("intermediate_size", inter, size)
+    rules += base.mamba2_rules(r".*\.mixer", m_heads, m_head_dim, groups, state)
     rules += (
         (r".*\.mixer\.up_proj\.(weight|bias)", Split(0, (Seg(inter),))),
         (r".*\.mixer\.down_proj\.weight", Split(1, (Seg(inter),))),
@@ -60,8 +48,8 @@ def plan(cfg: dict, size: int) -> TPPlan:
     if "moe" in layer_kinds(text):
         moe = _field(text, "moe_intermediate_size", None, 7688)
         shared = _field(text, "moe_shared_expert_intermediate_size", None, 7688)
-        text["moe_intermediate_size"] = divide("moe_intermediate_size", moe, size)
-        text["moe_shared_expert_intermediate_size"] = divide(
+        text["moe_intermediate_size"] = base.divide("moe_intermediate_size", moe, size)
+        text["moe_shared_expert_intermediate_size"] = base.divide(
             "moe_shared_expert_intermediate_size", shared, size
         )
         rules += (
@@ -71,5 +59,5 @@ def plan(cfg: dict, size: int) -> TPPlan:
             (r".*\.mixer\.shared_experts\.down_proj\.weight", Split(1, (Seg(shared),))),
             (r".*\.mixer\.(shared_experts\.down_proj|fc2_latent_proj)\.bias", LEADER_ONLY),
         )
-    patch = span_mamba2_norms(groups, m_heads * m_head_dim) if groups < size else None
-    return TPPlan(size, rank, ParamRules(rules), (r".*layers\.\d+\.mixer",), patch)
+    patch = base.span_mamba2_norms(groups, m_heads * m_head_dim) if groups < size else None
+    return base.TPPlan(size, rank, ParamRules(rules), (r".*layers\.\d+\.mixer",), patch)
