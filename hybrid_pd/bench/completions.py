@@ -130,10 +130,11 @@ def run_level(
     desc: str,
     progress: bool = True,
     keep_token_ids: bool = False,
+    extra: dict | None = None,
 ) -> dict:
     """Send the prompts with at most `concurrency` in flight; none starts after `deadline`.
     `keep_token_ids`: the result's `token_ids` maps each completed prompt's index to the
-    token ids streamed back."""
+    token ids streamed back. `extra`: more fields of every request's body (a constraint)."""
     import httpx
 
     results: list[dict] = []
@@ -157,6 +158,7 @@ def run_level(
                 "ignore_eos": True,
                 "stream": True,
                 "return_token_ids": True,
+                **(extra or {}),
             }
             out = _one_request(client, body)
             out["index"] = i

@@ -43,7 +43,13 @@ def add_serve_parser(bsub: argparse._SubParsersAction) -> None:
         default=None,
         help="--peer vllm: the Python that has vLLM (default: $HYBRID_PD_VLLM_PYTHON)",
     )
-    s.add_argument("--reps", type=int, default=2, help="--peer: alternating repetitions")
+    s.add_argument(
+        "--schema",
+        default=None,
+        metavar="FILE",
+        help="instead of P/D vs aggregated: P/D with and without this JSON schema (guided_json)",
+    )
+    s.add_argument("--reps", type=int, default=2, help="--peer, --schema: alternating repetitions")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_bench_serve)
 
@@ -216,6 +222,20 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         from hybrid_pd.bench.serve_peer import cmd_bench_serve_peer
 
         return cmd_bench_serve_peer(args, load)
+    if args.schema:
+        from hybrid_pd.bench.serve_schema import bench_serve_schema, print_schema_result
+
+        try:
+            schema = json.loads(Path(args.schema).read_text())
+        except (OSError, ValueError) as e:
+            print(f"--schema: {e}", file=sys.stderr)
+            return 2
+        result = bench_serve_schema(schema, reps=args.reps, **load)
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            print_schema_result(result)
+        return 0 if result["no_leaks"] and not result["errors"] else 1
     result = bench_serve(plot=args.plot, **load)
     if args.json:
         print(json.dumps(result, indent=2))

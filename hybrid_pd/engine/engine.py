@@ -17,7 +17,7 @@ from hybrid_pd.engine.batch import make_batch
 from hybrid_pd.engine.grammar import Grammar, GrammarCache, consume, is_done, mask_logits
 from hybrid_pd.engine.logprobs import logprobs_of, score_prompt
 from hybrid_pd.engine.request import Request, Status
-from hybrid_pd.engine.sampling import SamplingParams, make_generator, sample
+from hybrid_pd.engine.sampling import SamplingParams, catch_up, make_generator, sample
 from hybrid_pd.engine.scheduler import Scheduler, SchedulerConfig
 from hybrid_pd.engine.tp.group import SINGLE, TPGroup
 from hybrid_pd.engine.tp.steps import PoolShape, StepPlan
@@ -310,6 +310,7 @@ class Engine:
             picked = logits
             if constrained:  # the raw logits stay for logprobs
                 picked = mask_logits(logits, constrained, [reqs[j].matcher for j in constrained])
+            catch_up(reqs, picked)  # seeded requests resuming after tokens sampled elsewhere
             tokens = sample(picked, [r.params for r in reqs], [r.generator for r in reqs])
             rows = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
             if rows:

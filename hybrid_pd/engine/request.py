@@ -32,6 +32,9 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     generator: torch.Generator | None = None
+    #: Draws the generator has made or skipped: one per output token sampled with it, so
+    #: it is behind by the tokens sampled elsewhere (engine.sampling.skip_draws).
+    draws: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     #: Prefill role: stop after the first token and hand the KV to a decode worker.

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from hybrid_pd.api.sampling import SamplingParams
 
-__all__ = ["SamplingParams", "make_generator", "sample"]
+__all__ = ["SamplingParams", "catch_up", "make_generator", "sample", "skip_draws"]
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -15,6 +18,31 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     g = torch.Generator(device=device)
     g.manual_seed(params.seed)
     return g
+
+
+def skip_draws(gen: torch.Generator, width: int, count: int, device: torch.device) -> None:
+    """Advance `gen` past `count` draws of `sample` over rows of `width` logits, without
+    their probabilities: a seeded request that resumes after tokens sampled elsewhere (a
+    prefill worker's first token, a migrated stream's tokens) then draws what one engine
+    would. `sample` draws with `torch.multinomial` of one float32 row, whose generator
+    use depends on the row's size, dtype and device, never on its values (torch draws one
+    exponential per column and takes the argmax of p / q); this makes the same call on a
+    uniform row. Costs `count` draws (one exponential per column each)."""
+    if count <= 0:
+        return
+    uniform = torch.ones(width, dtype=torch.float32, device=device)
+    for _ in range(count):
+        torch.multinomial(uniform, 1, generator=gen)
+
+
+def catch_up(reqs: Sequence[Any], logits: torch.Tensor) -> None:
+    """Before `sample(logits, ...)` for engine requests `reqs` (row i is reqs[i]'s): skip
+    each seeded generator past the output tokens it did not draw (its request's `draws`
+    behind `output_ids`), then count this step's draw."""
+    for r in reqs:
+        if r.generator is not None:
+            skip_draws(r.generator, logits.shape[-1], len(r.output_ids) - r.draws, logits.device)
+            r.draws = len(r.output_ids) + 1
 
 
 # columns per block in argmax_rows: a multiple of the vector width, dividing the usual vocab sizes

@@ -122,6 +122,7 @@ class VllmServer:
         kv_cache_bytes: int = 64 << 20,
         max_model_len: int = 1024,
         tensor_parallel_size: int = 1,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         """`role` + `extra`: hybrid-pd's connector; `kv_transfer_config`: any connector.
         `cpus`: VLLM_CPU_OMP_THREADS_BIND, the CPUs this server computes on. `python`: the
@@ -129,7 +130,8 @@ class VllmServer:
         the engine-core process (vLLM's `uni` executor, its default for one GPU) instead of
         a worker process of its own (its CPU default); one Python start fewer.
         `max_num_seqs`, `kv_cache_bytes`, `max_model_len`, `tensor_parallel_size`: vLLM's
-        flags of those names (with TP on the CPU, `cpus` lists each rank's CPUs, "0|1")."""
+        flags of those names (with TP on the CPU, `cpus` lists each rank's CPUs, "0|1").
+        `extra_args`: more flags of vLLM's server, appended as given."""
         self.log = log
         args = [
             python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -139,6 +141,7 @@ class VllmServer:
             "--uvicorn-log-level", "warning",
             "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
         ]  # fmt: skip
+        args += list(extra_args)
         if single_process:
             args += ["--distributed-executor-backend", "uni"]
         if tensor_parallel_size > 1:

@@ -63,6 +63,7 @@ TIME = {
     },
 }
 MAX_TOKENS = 200
+ROUTE_PD = 'hybrid_pd_proxy_routes_total{route="disaggregated"}'
 # Long enough (>= the proxy's min_prefill_tokens) that the request goes through P/D.
 USER = "Describe a city in JSON, please; any city will do, as long as it is well formed. " * 2
 
@@ -125,6 +126,37 @@ def test_json_schema_pd_equals_one_engine(client, pd_proxy, reference, workers):
     # each stream finished on its decode leg: no failed leg was rescued by a migration
     assert metric(routes, 'hybrid_pd_proxy_failures_total{kind="migrated"}') == 0
     assert_no_leaks(workers)
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_seeded_sampling_pd_equals_one_engine(client, pd_proxy, reference, constrained):
+    """Sampled with a seed through P/D (the prefill worker draws the first token, the decode
+    worker's generator skips that draw): the single engine's tokens, with and without the
+    schema, for several seeds."""
+    before = metric(httpx.get(pd_proxy.url + "/metrics").text, ROUTE_PD)
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
+    constraint = Constraint.json_schema(SCHEMA) if constrained else None
+    max_tokens = MAX_TOKENS if constrained else 40
+    seeds = [0, 1, 2]
+    for seed in seeds:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.9, seed=seed, constraint=constraint
+        )
+        want = reference.generate([chat_prompt(reference)], params)[0]
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": USER}],
+            max_tokens=max_tokens,
+            temperature=0.9,
+            seed=seed,
+            extra_body={"return_token_ids": True},
+            **({"response_format": fmt} if constrained else {}),
+        )
+        assert r.choices[0].token_ids == want.token_ids, seed
+        if constrained:
+            jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    after = metric(httpx.get(pd_proxy.url + "/metrics").text, ROUTE_PD)
+    assert after - before == len(seeds)
 
 
 def test_vllm_fields_and_regex_choice(client, reference):

@@ -1,6 +1,7 @@
 """A constrained stream whose decode worker dies migrates: the proxy resends prompt + the
 tokens streamed so far, the new decode worker replays them into a fresh matcher and goes
-on; the client's stream is the single engine's output, valid under the schema."""
+on (a seeded sampled stream's generator skips the draws made elsewhere); the client's
+stream is the single engine's output, valid under the schema."""
 
 from __future__ import annotations
 
@@ -40,24 +41,34 @@ def test_constrained_stream_survives_its_decode_worker(fleet, tiny_path, referen
         decode_addresses=(dec_a.address, dec_b.address),
     )
     prompts = [prompt(300 + i, 48) for i in range(3)]
-    params = SamplingParams(max_tokens=MAX_TOKENS, constraint=Constraint.json_schema(SCHEMA))
-    want = [reference.generate([p], params)[0] for p in prompts]
+    # sampled with a seed, (temperature, seed) per prompt, so that every migrated stream is
+    # (greedy replays are covered by the engine's tests and the unconstrained kill tests)
+    draws = [(0.9, 5), (0.6, 6), (1.0, 7)]
+    con = Constraint.json_schema(SCHEMA)
+    want = [
+        reference.generate([p], SamplingParams(MAX_TOKENS, t, seed=seed, constraint=con))[0]
+        for p, (t, seed) in zip(prompts, draws, strict=True)
+    ]
     assert all(w.finish_reason == "stop" and len(w.token_ids) > 200 for w in want)
     by_address = {dec_a.address: dec_a, dec_b.address: dec_b}
 
-    def body(p):
+    def body(p, temperature, seed):
         return {
             "model": "tiny",
             "prompt": p,
             "max_tokens": MAX_TOKENS,
-            "temperature": 0,
+            "temperature": temperature,
+            "seed": seed,
             "return_token_ids": True,
             "guided_json": SCHEMA,
         }
 
     async def run():
         async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as c:
-            tasks = [asyncio.create_task(stream_tokens(c, body(p))) for p in prompts]
+            tasks = [
+                asyncio.create_task(stream_tokens(c, body(p, *d)))
+                for p, d in zip(prompts, draws, strict=True)
+            ]
             victim = None
             for _ in range(200):  # wait until streams are open, then kill their worker
                 await asyncio.sleep(0.05)
