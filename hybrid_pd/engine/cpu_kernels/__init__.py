@@ -53,14 +53,17 @@ import types
 from hybrid_pd.engine.cpu_kernels import loader
 from hybrid_pd.engine.cpu_kernels.activations import ACTIVATIONS, act_mul
 from hybrid_pd.engine.cpu_kernels.attention import decode_attention, prompt_attention
-from hybrid_pd.engine.cpu_kernels.linears import PANEL, gemv, pack_panels, panel_linear
+from hybrid_pd.engine.cpu_kernels.linears import gemv, pack_panels, panel_linear, panel_width
 from hybrid_pd.engine.cpu_kernels.loader import (
     FLAGS,
+    ISA_FLAGS,
     enabled_by_env,
+    isa,
     kernel_threads,
     library,
     status,
     threads_match,
+    supported_isas,
     torch_openmp,
 )
 from hybrid_pd.engine.cpu_kernels.loader import _build as _build  # for the tests, as before
@@ -78,7 +81,7 @@ from hybrid_pd.engine.cpu_kernels.scans import (
 __all__ = [
     "ACTIVATIONS",
     "FLAGS",
-    "PANEL",
+    "ISA_FLAGS",
     "act_mul",
     "conv_silu",
     "conv_step_silu",
@@ -88,6 +91,7 @@ __all__ = [
     "gdn_recurrent",
     "gdn_step",
     "gemv",
+    "isa",
     "kernel_threads",
     "l2_norm",
     "library",
@@ -95,11 +99,13 @@ __all__ = [
     "norm_rope",
     "pack_panels",
     "panel_linear",
+    "panel_width",
     "prompt_attention",
     "rms_norm",
     "ssd_scan",
     "ssd_step",
     "status",
+    "supported_isas",
     "threads_match",
     "torch_openmp",
 ]

@@ -18,7 +18,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
