@@ -272,17 +272,17 @@ def bench_engine_peer(
     `cpus` with our model. `confine_peer` starts every vLLM process on `cpus` alone."""
     import torch
 
+    from hybrid_pd.bench.real_shapes import resolve_bench_model
     from hybrid_pd.engine import cpu_kernels
     from hybrid_pd.engine.heap import frozen_heap
     from hybrid_pd.engine.threads import flush_denormals
-    from hybrid_pd.engine.tiny import resolve_model
 
     flush_denormals()  # as every engine process does, before torch starts its threads
     if decode_tokens < 2:
         raise ValueError("--decode-tokens must be at least 2 (decode counts tokens after the 1st)")
     if reps < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError("--reps and every batch size must be at least 1")
-    path = resolve_model(model_name)
+    path = resolve_bench_model(model_name)
     dtype = dtype or checkpoint_dtype(path)
     vocab = int(checkpoint_config(path)["vocab_size"])
     cpus = bench_cpus(threads)

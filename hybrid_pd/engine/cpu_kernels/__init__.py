@@ -62,8 +62,8 @@ from hybrid_pd.engine.cpu_kernels.loader import (
     kernel_threads,
     library,
     status,
-    threads_match,
     supported_isas,
+    threads_match,
     torch_openmp,
 )
 from hybrid_pd.engine.cpu_kernels.loader import _build as _build  # for the tests, as before

@@ -249,9 +249,7 @@ def library() -> ctypes.CDLL | None:
                 declare(lib)
                 _lib = lib
                 _check_openmp(before)
-                logger.info(
-                    "CPU kernels: %s (%s, OpenMP: %s)", path, isa(), _shared_openmp
-                )
+                logger.info("CPU kernels: %s (%s, OpenMP: %s)", path, isa(), _shared_openmp)
             # AttributeError: a library without a function this module declares (the source
             # changed under a running install)
             except (OSError, AttributeError, subprocess.SubprocessError) as e:
