@@ -22,7 +22,12 @@ def add_engine_parser(bsub: argparse._SubParsersAction) -> None:
         "`hybrid-pd bench engine --model PATH --peer vllm --peer-python .venv-vllm/bin/python "
         "--batch-sizes 1,8,32 --threads 1 --json` (see docs/vllm.md).",
     )
-    e.add_argument("--model", default="tiny")
+    e.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny, a checkpoint folder, or a real shape built from a published config "
+        "(random weights): granite-4.0-h-350m-like, gemma-3-270m-like, qwen3.5-0.8b-like",
+    )
     e.add_argument("--prompt-len", type=int, default=256)
     e.add_argument("--decode-tokens", type=int, default=32)
     e.add_argument("--batch-sizes", default="1,32")
@@ -77,16 +82,16 @@ def bench_engine(
     decode tokens/s counts the tokens after it."""
     import torch
 
+    from hybrid_pd.bench.real_shapes import resolve_bench_model
     from hybrid_pd.engine.engine import Engine, EngineConfig
     from hybrid_pd.engine.loader import load_model
     from hybrid_pd.engine.malloc import tune_malloc
     from hybrid_pd.engine.sampling import SamplingParams
     from hybrid_pd.engine.threads import set_torch_threads
-    from hybrid_pd.engine.tiny import resolve_model
 
     threads = set_torch_threads(threads)
     tune_malloc()
-    path = resolve_model(model_name)
+    path = resolve_bench_model(model_name)
     model, config, tok = load_model(path, dtype=dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []

@@ -272,17 +272,18 @@ def bench_engine_peer(
     `cpus` with our model. `confine_peer` starts every vLLM process on `cpus` alone."""
     import torch
 
+    from hybrid_pd.bench.machine import add_machine_ratios, checkpoint_costs, machine_figures
+    from hybrid_pd.bench.real_shapes import resolve_bench_model
     from hybrid_pd.engine import cpu_kernels
     from hybrid_pd.engine.heap import frozen_heap
     from hybrid_pd.engine.threads import flush_denormals
-    from hybrid_pd.engine.tiny import resolve_model
 
     flush_denormals()  # as every engine process does, before torch starts its threads
     if decode_tokens < 2:
         raise ValueError("--decode-tokens must be at least 2 (decode counts tokens after the 1st)")
     if reps < 1 or not batch_sizes or min(batch_sizes) < 1:
         raise ValueError("--reps and every batch size must be at least 1")
-    path = resolve_model(model_name)
+    path = resolve_bench_model(model_name)
     dtype = dtype or checkpoint_dtype(path)
     vocab = int(checkpoint_config(path)["vocab_size"])
     cpus = bench_cpus(threads)
@@ -314,6 +315,9 @@ def bench_engine_peer(
             ours = _OurSide(path, dtype, held_state_rows_bytes)
             ours.run(warm, 2)
             peer.run(warm, 2)
+            # measured while the peer is stopped (after each run), on the benchmark's CPUs
+            machine = machine_figures()
+            costs = checkpoint_costs(path, ours.dtype)
             rows = []
             for bs in batch_sizes:
                 prompts = [
@@ -326,6 +330,7 @@ def bench_engine_peer(
                 ours.run(prompts, 2)
                 peer.run(prompts, 2)
                 rows.append(_bench_batch(ours, peer, prompts, decode_tokens, reps))
+                add_machine_ratios(rows[-1], costs, machine)
     finally:
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(torch_threads)
@@ -355,6 +360,10 @@ def bench_engine_peer(
             "the last request's end; decode tokens/s counts the tokens after the first"
         ),
         "warmup": WARMUP,
+        # what the figures are compared with: per-token costs of the checkpoint, and the
+        # GEMM peak and memcpy bandwidth measured on the benchmark's CPUs before the runs
+        "machine": machine,
+        "costs": costs,
         "runs": rows,
     }
 

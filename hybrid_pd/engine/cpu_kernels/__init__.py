@@ -22,11 +22,15 @@ without PyTorch headers, one file per family beside this package's wrapper modul
     common.h, panel_tile.h        shared helpers (thread split, bfloat16, exp, the panel tile)
 
 An engine on the CPU compiles them when it starts (`loader.py`: every `.c` in one `$CC` or
-`cc` call, `-O3 -march=native`, into one shared library) into a cache folder
-(`HYBRID_PD_KERNEL_CACHE`, default `~/.cache/hybrid-pd/kernels`), named by a digest of the
-sources and headers, the flags, the compiler and the CPU, so a changed file or another
-machine builds its own. Processes that start together may both build: each writes a file of
-its own and renames it into place. `signatures.py` declares the C functions to ctypes.
+`cc` call, `-O3` and the flags of the instruction set level the CPU runs, `isa()`: avx512
+(`-march=x86-64-v4`), avx2 (`-march=x86-64-v3`), generic, or native off x86;
+`HYBRID_PD_CPU_ISA` overrides) into one shared library in a cache folder
+(`HYBRID_PD_KERNEL_CACHE`, default `~/.cache/hybrid-pd/kernels`), named by the level and a
+digest of the sources and headers, the flags and the compiler, so a changed file or another
+level builds its own, and machines of one level share one. The first process builds under a
+file lock while the others wait. The sources choose their vector paths and register tiles
+by the level's macros (`__AVX512F__`, `__AVX2__`); `panel_width()` says what the panels are.
+`signatures.py` declares the C functions to ctypes.
 
 Every kernel has a pure-PyTorch counterpart, which stays the reference (the tests compare
 the two; for `gemv` and `panel_linear` that is oneDNN's GEMM) and the path everywhere
@@ -53,13 +57,16 @@ import types
 from hybrid_pd.engine.cpu_kernels import loader
 from hybrid_pd.engine.cpu_kernels.activations import ACTIVATIONS, act_mul
 from hybrid_pd.engine.cpu_kernels.attention import decode_attention, prompt_attention
-from hybrid_pd.engine.cpu_kernels.linears import PANEL, gemv, pack_panels, panel_linear
+from hybrid_pd.engine.cpu_kernels.linears import gemv, pack_panels, panel_linear, panel_width
 from hybrid_pd.engine.cpu_kernels.loader import (
     FLAGS,
+    ISA_FLAGS,
     enabled_by_env,
+    isa,
     kernel_threads,
     library,
     status,
+    supported_isas,
     threads_match,
     torch_openmp,
 )
@@ -78,7 +85,7 @@ from hybrid_pd.engine.cpu_kernels.scans import (
 __all__ = [
     "ACTIVATIONS",
     "FLAGS",
-    "PANEL",
+    "ISA_FLAGS",
     "act_mul",
     "conv_silu",
     "conv_step_silu",
@@ -88,6 +95,7 @@ __all__ = [
     "gdn_recurrent",
     "gdn_step",
     "gemv",
+    "isa",
     "kernel_threads",
     "l2_norm",
     "library",
@@ -95,11 +103,13 @@ __all__ = [
     "norm_rope",
     "pack_panels",
     "panel_linear",
+    "panel_width",
     "prompt_attention",
     "rms_norm",
     "ssd_scan",
     "ssd_step",
     "status",
+    "supported_isas",
     "threads_match",
     "torch_openmp",
 ]

@@ -44,24 +44,29 @@ def gemv(
     return y
 
 
-#: Output columns per panel of `pack_panels` (PANEL in the C source).
-PANEL = 32
+def panel_width() -> int | None:
+    """Output columns per panel of `pack_panels` (PANEL in the C source, 32 today), as the
+    library built for this machine's instruction set has it (csrc/panel_tile.h sizes the
+    tile per register file), or None without the kernels."""
+    lib = library()
+    return None if lib is None else int(lib.panel_width())
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` [n, k] (float32, CPU) reordered for `panel_linear`: [ceil(n / PANEL), k,
-    PANEL], panel p holding output columns p PANEL .. p PANEL + PANEL - 1 (zeros past n),
+    """`weight` [n, k] (float32, CPU) reordered for `panel_linear`: [ceil(n / P), k, P] with
+    P = `panel_width()`, panel p holding output columns p P .. p P + P - 1 (zeros past n),
     or None where the kernels do not apply. The same values, as much memory (plus the
     padding of the last panel)."""
     if weight.dtype is not torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    if library() is None:
+    width = panel_width()
+    if width is None:
         return None
     n, k = weight.shape
-    count = -(-n // PANEL)
-    padded = weight.detach().new_zeros(count * PANEL, k)
+    count = -(-n // width)
+    padded = weight.detach().new_zeros(count * width, k)
     padded[:n] = weight.detach()
-    return padded.view(count, PANEL, k).transpose(1, 2).contiguous()
+    return padded.view(count, width, k).transpose(1, 2).contiguous()
 
 
 def panel_linear(
@@ -76,7 +81,7 @@ def panel_linear(
     if x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() < 1 or not x.numel():
         return None
     count, k, width = panels.shape
-    if width != PANEL or x.shape[-1] != k or not -PANEL < n - count * PANEL <= 0:
+    if width != panel_width() or x.shape[-1] != k or not -width < n - count * width <= 0:
         return None
     if not vector_or_none(bias, n, torch.float32):
         return None

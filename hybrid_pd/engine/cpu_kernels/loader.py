@@ -1,5 +1,6 @@
-"""Build and load the kernels: every C source of `csrc/` compiled in one `cc` call into one
-shared library, cached by a digest of the sources, the flags, the compiler and the CPU, and
+"""Build and load the kernels: every C source of `csrc/` compiled for the instruction set level
+of the CPU that runs them (`isa`: avx512, avx2, generic, or native off x86) into one shared
+library, cached by a digest of the sources, the level and its flags and the compiler, and
 loaded with ctypes; and how many threads the kernels may split over (torch's OpenMP threads,
 shared, or one). See the package's docstring."""
 
@@ -27,7 +28,26 @@ logger = logging.getLogger(__package__)
 
 #: The C sources (`*.c`, compiled together) and their headers (`*.h`).
 CSRC = Path(__file__).with_name("csrc")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffp-contract=fast", "-std=c11", "-shared", "-fPIC")
+
+#: The instruction set levels the kernels are built for, and the compiler flags of each: the
+#: same source, its vector paths chosen by the macros the flags define (__AVX512F__,
+#: __AVX2__). Explicit levels, never the build machine's `-march=native`, so that a cache
+#: shared by machines of one level holds one library for all of them; `native` only where
+#: no x86 level applies (other architectures), keyed by the CPU then.
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    # x86-64-v4: AVX-512 F, BW, CD, DQ, VL (all the source uses), 512-bit vectors preferred
+    "avx512": ("-march=x86-64-v4", "-mtune=generic", "-mprefer-vector-width=512"),
+    # x86-64-v3: AVX2, FMA, BMI1/2, F16C, MOVBE
+    "avx2": ("-march=x86-64-v3", "-mtune=generic"),
+    "generic": (),
+    "native": ("-march=native",),
+}
+#: What a CPU must report (/proc/cpuinfo flags) to run each x86 level.
+_ISA_NEEDS = {
+    "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma"},
+    "avx2": {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave"},
+}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -41,8 +61,52 @@ def enabled_by_env() -> bool:
     return os.environ.get("HYBRID_PD_CPU_KERNELS", "1").strip().lower() not in ("0", "off", "no")
 
 
+def _cpu_flags() -> set[str]:
+    """The feature flags the (first) CPU reports in /proc/cpuinfo; empty where unreadable."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def supported_isas() -> list[str]:
+    """The levels this CPU can run, best first (`generic` always)."""
+    if not _x86():
+        return ["native", "generic"]
+    flags = _cpu_flags()
+    return [level for level, needs in _ISA_NEEDS.items() if needs <= flags] + ["generic"]
+
+
+def isa() -> str:
+    """The level the kernels are built for here: `HYBRID_PD_CPU_ISA` (avx512, avx2, generic,
+    native; `auto` or unset: the best this CPU runs) where this CPU runs it, else the best
+    it runs (a warning names the refused one). Tests and benchmarks set it to compare the
+    levels on one machine (avx2 on an AVX-512 CPU)."""
+    best = supported_isas()[0]
+    asked = os.environ.get("HYBRID_PD_CPU_ISA", "auto").strip().lower()
+    if asked in ("", "auto"):
+        return best
+    if asked not in ISA_FLAGS:
+        logger.warning("HYBRID_PD_CPU_ISA=%s unknown (one of %s); using %s",
+                       asked, ", ".join(ISA_FLAGS), best)  # fmt: skip
+        return best
+    if asked not in supported_isas() and not (asked == "native"):
+        logger.warning("HYBRID_PD_CPU_ISA=%s: this CPU cannot run it; using %s", asked, best)
+        return best
+    return asked
+
+
 def _cpu_identity() -> str:
-    """The CPU model and feature flags (what -march=native compiles for)."""
+    """The CPU model and feature flags (what -march=native compiles for): in the cache key
+    of the `native` level only."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -68,8 +132,10 @@ def torch_openmp() -> bool:
     return "OpenMP" in torch.__config__.parallel_info() and sys.platform.startswith("linux")
 
 
-def _flags() -> tuple[str, ...]:
-    return FLAGS + (("-fopenmp",) if torch_openmp() else ())
+def _flags(level: str | None = None) -> tuple[str, ...]:
+    """The compiler flags of a build for `level` (default: `isa()`)."""
+    level = isa() if level is None else level
+    return FLAGS + ISA_FLAGS[level] + (("-fopenmp",) if torch_openmp() else ())
 
 
 def _openmp_runtimes() -> set[str]:
@@ -99,14 +165,15 @@ def _build() -> Path:
     if cc is None:
         raise OSError("no C compiler (cc, gcc or $CC) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
-    flags = _flags()
-    key = hashlib.sha256(
-        b"\0".join(
-            s.encode() for s in (_source_text(), " ".join(flags), version.stdout, _cpu_identity())
-        )
-    ).hexdigest()[:24]
+    level = isa()
+    flags = _flags(level)
+    # the CPU's identity only where the flags depend on it (`native`): an explicit level's
+    # library is the same on every CPU of that level
+    machine = _cpu_identity() if level == "native" else ""
+    parts = (_source_text(), level, " ".join(flags), version.stdout, machine)
+    key = hashlib.sha256(b"\0".join(s.encode() for s in parts)).hexdigest()[:24]
     folder = _cache_dir()
-    target = folder / f"cpu_kernels-{key}.so"
+    target = folder / f"cpu_kernels-{level}-{key}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
@@ -182,7 +249,7 @@ def library() -> ctypes.CDLL | None:
                 declare(lib)
                 _lib = lib
                 _check_openmp(before)
-                logger.info("CPU kernels: %s (OpenMP: %s)", path, _shared_openmp)
+                logger.info("CPU kernels: %s (%s, OpenMP: %s)", path, isa(), _shared_openmp)
             # AttributeError: a library without a function this module declares (the source
             # changed under a running install)
             except (OSError, AttributeError, subprocess.SubprocessError) as e:

@@ -56,6 +56,8 @@ def declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = None
     lib.panel_linear_f32.argtypes = [long_] * 3 + [p, p, long_, p, p, i]
     lib.panel_linear_f32.restype = None
+    lib.panel_width.argtypes = []
+    lib.panel_width.restype = i
     # decode_attention.c
     for name in ("decode_attention_f32", "decode_attention_bf16"):
         getattr(lib, name).argtypes = [i] * 5 + [p, long_, long_, p] + [long_] * 4 + [p] * 3

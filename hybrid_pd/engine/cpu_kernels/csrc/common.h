@@ -3,7 +3,8 @@
  * stores. Only macros and static inline functions: each kernel file compiles its own copy.
  *
  * The kernels are built at first use by hybrid_pd/engine/cpu_kernels/loader.py (every .c of
- * this folder in one cc call, cc -O3 -march=native, into one shared library) and called
+ * this folder in one cc call, cc -O3 with the flags of the CPU's instruction set level:
+ * x86-64-v4 for AVX-512, x86-64-v3 for AVX2, into one shared library) and called
  * through ctypes with raw pointers; every function has a pure-PyTorch counterpart that the
  * tests compare it with. Plain C11, no PyTorch headers.
  */
@@ -18,7 +19,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 

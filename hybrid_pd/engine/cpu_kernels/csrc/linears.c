@@ -121,15 +121,20 @@ static void panel_range(long m, long n, long k, const float *panels, const float
                 switch (b1 - r0 < TILE_ROWS ? (int)(b1 - r0) : TILE_ROWS) {
 #define TILE(R)                                                                                \
     case R:                                                                                    \
-        panel_tile(R, k, w, xr, xs, b, yr, n, cols);                                           \
+        panel_tile(TILE_R(R), k, w, xr, xs, b, yr, n, cols);                                   \
         break;
-                    TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
+                    TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7)
+                default:
+                    panel_tile(TILE_ROWS, k, w, xr, xs, b, yr, n, cols);
 #undef TILE
                 }
             }
         }
     }
 }
+
+/* The output columns per panel this build packs for (PANEL: the instruction set's tile). */
+int panel_width(void) { return PANEL; }
 
 /* The panels are shared among `threads` (each thread all rows of its own panels, in the
  * same blocks: no thread waits for another). */

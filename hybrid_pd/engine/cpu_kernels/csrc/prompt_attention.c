@@ -45,14 +45,14 @@ values_tile(const int R, const float *p, const int kc, const float *v, const int
 #define BY_TILES(rows, call)                                                                  \
     for (int r8 = 0; r8 < (rows); r8 += TILE_ROWS) {                                          \
         switch ((rows) - r8 < TILE_ROWS ? (rows) - r8 : TILE_ROWS) {                          \
-        case 1: call(1); break;                                                               \
-        case 2: call(2); break;                                                               \
-        case 3: call(3); break;                                                               \
-        case 4: call(4); break;                                                               \
-        case 5: call(5); break;                                                               \
-        case 6: call(6); break;                                                               \
-        case 7: call(7); break;                                                               \
-        default: call(8); break;                                                              \
+        case 1: call(TILE_R(1)); break;                                                       \
+        case 2: call(TILE_R(2)); break;                                                       \
+        case 3: call(TILE_R(3)); break;                                                       \
+        case 4: call(TILE_R(4)); break;                                                       \
+        case 5: call(TILE_R(5)); break;                                                       \
+        case 6: call(TILE_R(6)); break;                                                       \
+        case 7: call(TILE_R(7)); break;                                                       \
+        default: call(TILE_ROWS); break;                                                      \
         }                                                                                     \
     }
 

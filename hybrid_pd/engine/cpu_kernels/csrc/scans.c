@@ -150,8 +150,9 @@ int gdn_step(int seqs, int hk, int hv, int dk, int dv,
  * y: [P]. One pass over S. Each state element becomes fma(dt x_p, B_n, decay S_pn); the sum
  * over N runs in LANES partial sums (vector lanes, each over n in order), added as a tree:
  * lanes l and l + 8, then l and l + 4, then (0 + 1) + (2 + 3) (`lanes_sum`). With AVX-512
- * (N a multiple of 16) the rows go sixteen at a time, their sums added together by shuffles
- * (`ssd_rows16`) in that same tree, so every path gives the same bits; the lane sums were
+ * (N a multiple of 16) the rows go sixteen at a time, with AVX2 eight, their sums added
+ * together by shuffles (`ssd_rows16`, `ssd_rows8`) in that same tree, so every path gives
+ * the same bits; the lane sums were
  * added one after another before, a chain of 16 scalar additions per row that took most of
  * a prompt's scan.
  */
@@ -202,6 +203,44 @@ ssd_rows16(float *S, long sp, const int ns, const float *x, long xp, float d, fl
     const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
     _mm512_storeu_ps(y, _mm512_permutexvar_ps(order, e));
 }
+#elif defined(__AVX2__)
+/* Eight rows p .. p + 7 of ssd_token with AVX2, N a multiple of 16: each row's sixteen lane
+ * sums in two vectors (lanes 0-7, 8-15), reduced for all eight rows together in lanes_sum's
+ * tree: (1) l + (l + 8) per row, (2) l + (l + 4) with two rows per vector, (3) 0 + 1 and
+ * 2 + 3, (4) their sum; the rows end in the order 0 2 4 6 1 3 5 7, put back in order. The
+ * scalar lanes_sum chain per row took as long as the row's multiply-adds at d_state 128. */
+static inline __attribute__((always_inline)) void
+ssd_rows8(float *S, long sp, const int ns, const float *x, long xp, float d, float decay,
+          const float *bn, const float *cn, float *y)
+{
+    __m256 s1[8], s2[4], q[2];
+    const __m256 dec = _mm256_set1_ps(decay);
+    for (int r = 0; r < 8; r++) {
+        float *row = S + r * sp;
+        const __m256 u = _mm256_set1_ps(x[r * xp] * d);
+        __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+        for (int n = 0; n < ns; n += 16) {
+            const __m256 k0 = _mm256_mul_ps(_mm256_loadu_ps(row + n), dec);
+            const __m256 k1 = _mm256_mul_ps(_mm256_loadu_ps(row + n + 8), dec);
+            const __m256 v0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(bn + n), k0);
+            const __m256 v1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(bn + n + 8), k1);
+            _mm256_storeu_ps(row + n, v0);
+            _mm256_storeu_ps(row + n + 8, v1);
+            lo = _mm256_fmadd_ps(v0, _mm256_loadu_ps(cn + n), lo);
+            hi = _mm256_fmadd_ps(v1, _mm256_loadu_ps(cn + n + 8), hi);
+        }
+        s1[r] = _mm256_add_ps(lo, hi);
+    }
+    for (int i = 0; i < 4; i++) /* [row 2i: l + (l + 4), l < 4 | row 2i + 1: the same] */
+        s2[i] = _mm256_add_ps(_mm256_permute2f128_ps(s1[2 * i], s1[2 * i + 1], 0x20),
+                              _mm256_permute2f128_ps(s1[2 * i], s1[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++) /* [4i: 0+1, 2+3; 4i+2: 0+1, 2+3 | 4i+1 ...; 4i+3 ...] */
+        q[i] = _mm256_add_ps(_mm256_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0x88),
+                             _mm256_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0xDD));
+    const __m256 e = _mm256_add_ps(_mm256_shuffle_ps(q[0], q[1], 0x88),
+                                   _mm256_shuffle_ps(q[0], q[1], 0xDD));
+    _mm256_storeu_ps(y, _mm256_permutevar8x32_ps(e, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
 #endif
 
 static inline __attribute__((always_inline)) void
@@ -209,10 +248,14 @@ ssd_token(float *S, long sp, int hd, const int ns, const float *x, long xp, floa
           float decay, const float *bn, const float *cn, float *y)
 {
     int p = 0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
     if (ns % 16 == 0)
         for (; p + 16 <= hd; p += 16)
             ssd_rows16(S + p * sp, sp, ns, x + p * xp, xp, d, decay, bn, cn, y + p);
+#elif defined(__AVX2__)
+    if (ns % 16 == 0)
+        for (; p + 8 <= hd; p += 8)
+            ssd_rows8(S + p * sp, sp, ns, x + p * xp, xp, d, decay, bn, cn, y + p);
 #endif
     for (; p < hd; p++) {
         float *restrict row = S + p * sp;
