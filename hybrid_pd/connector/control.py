@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from hybrid_pd.connector import timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import GroupGeometry, KVLayout
 from hybrid_pd.connector.watch import until
@@ -228,10 +229,12 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         else:
             # A pull may come before its request's keep (vLLM keeps at its next step): await
             # the keep here, then send on the executor without waiting there.
+            timeline.stamp(rid, "pull_received")
             wait = self.prefill.keep_wait(timeout)
             if wait > 0:
                 settled = partial(self.prefill.settled, rid)
                 await until(self.prefill.watchers, rid, lambda: (settled(), None), wait)
+            timeline.stamp(rid, "keep_present")
             send = partial(
                 self.prefill.pull,
                 rid,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.api.signing import sign
-from hybrid_pd.connector import faults
+from hybrid_pd.connector import faults, timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill_stage import Progress, PullResult, Stage, Staging, remember
@@ -250,7 +250,9 @@ class PrefillConnector(Staging):
         try:
             runs = plan.runs(_skipped(lease.block_ids, skip), dst_blocks)
             messages = self._messages(plan, runs, message_regions, request_id, peer, tag)
+            timeline.stamp(request_id, "sends_posted")
             self.transport.send(peer, tag, messages, timeout)
+            timeline.stamp(request_id, "sends_done")
         except ValueError as e:
             raise TransferFailed(f"request {request_id}: {e}") from e
         finally:

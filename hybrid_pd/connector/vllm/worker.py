@@ -14,6 +14,7 @@ import threading
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from hybrid_pd.connector import timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.vllm.metadata import HybridPDMetadata
@@ -53,6 +54,8 @@ class WorkerHalf:
         self._sent: set[str] = set()
         self._reported = dict.fromkeys(COUNTERS, 0)
         self._load_failures = 0
+        #: Timeline: loads running, this server's request id -> the prefill's.
+        self._loading: dict[str, str] = {}
         host = options.control_host
         self.transport = start_transport(host)
         self.prefill = self.decode = self.server = None
@@ -102,9 +105,13 @@ class WorkerHalf:
             if self.prefill is None:
                 raise RuntimeError("a kv_consumer was asked to keep KV for a decode server")
             self.prefill.keep(s.request_id, s.token, s.block_ids)
+            timeline.stamp(s.request_id, "kept")
         for ld in meta.loads:
             if self.decode is None:
                 raise RuntimeError("a kv_producer was asked to load KV")
+            if timeline.enabled():
+                timeline.stamp(ld.params.request_id, "load_applied")
+                self._loading[ld.request_id] = ld.params.request_id
             self.decode.start_load_kv(ld.request_id, self._ranked(ld.params), ld.block_ids)
         for p in meta.drops:
             if self.decode is None:
@@ -139,6 +146,8 @@ class WorkerHalf:
         if self.decode is not None:
             for r in self.decode.get_finished():
                 res.finished_recving.add(r.request_id)
+                if self._loading:
+                    timeline.stamp(self._loading.pop(r.request_id, r.request_id), "reported")
                 if r.error is not None:
                     res.failed_recving.add(r.request_id)
                     self._load_failures += 1
