@@ -279,8 +279,17 @@ class DecodeConnector:
             self._plan_with(peer_layout),
         )
         with self._lock:
-            self._peers.setdefault(address, peer)
-        return peer
+            kept = self._peers.setdefault(address, peer)
+        if kept is not peer:  # another thread dialed it meanwhile
+            channel.close()
+        return kept
+
+    def dial(self, address: str) -> None:
+        """Handshake with a known prefill worker now, before any request needs it (the
+        first pull from a peer otherwise pays the channel's and the handshake's set-up;
+        the prefill worker makes its UCX endpoint to us then too). Raises TransferFailed
+        when the peer cannot be reached or its layout differs."""
+        self._peer(address)
 
     def _plan_with(self, peer_layout: KVLayout):
         """Our plan for pulls from a peer of `peer_layout`: pages of one pool each side, or

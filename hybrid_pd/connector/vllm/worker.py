@@ -25,6 +25,11 @@ from hybrid_pd.connector.vllm.plan import VllmPlan
 
 logger = logging.getLogger(__name__)
 
+#: Start-up handshakes with configured peers: tries and their period (a peer server that
+#: starts alongside this one answers within a few minutes).
+_DIAL_TRIES = 300
+_DIAL_PERIOD_S = 1.0
+
 
 class WorkerHalf:
     """Transport, control server and the two connector halves of one vLLM worker."""
@@ -54,6 +59,7 @@ class WorkerHalf:
         self._sent: set[str] = set()
         self._reported = dict.fromkeys(COUNTERS, 0)
         self._load_failures = 0
+        self._closing = threading.Event()
         #: Timeline: loads running, this server's request id -> the prefill's.
         self._loading: dict[str, str] = {}
         host = options.control_host
@@ -89,6 +95,30 @@ class WorkerHalf:
                 # pack a pull's runs of blocks into a few scatter-gather UCX messages
                 scatter_gather=options.scatter_gather,
             )
+            if options.peers:  # shake hands now: the first request does not pay for it
+                threading.Thread(
+                    target=self._dial, args=(options.peers,), name="kv-dial", daemon=True
+                ).start()
+
+    def _dial(self, peers: tuple[str, ...]) -> None:
+        """Handshake with each configured prefill server, retrying while it starts (at
+        most `_DIAL_TRIES` times, `_DIAL_PERIOD_S` apart); one that never answers is
+        dialed by its first pull, as without this."""
+        for address in peers:
+            for _ in range(_DIAL_TRIES):
+                try:
+                    self.decode.dial(address)
+                    logger.info("hybrid-pd connector: shook hands with %s", address)
+                    break
+                except TransferFailed as e:
+                    if "refused the handshake" in str(e):
+                        logger.warning("hybrid-pd connector: %s", e)
+                        break
+                except Exception as e:  # closed meanwhile
+                    logger.debug("dialing %s stopped: %s", address, e)
+                    return
+                if self._closing.wait(_DIAL_PERIOD_S):
+                    return
 
     def _freed(self, request_id: str) -> None:  # lease released, aborted or expired
         with self._lock:
@@ -183,6 +213,7 @@ class WorkerHalf:
         return delta
 
     def close(self) -> None:
+        self._closing.set()
         if self.server is not None:
             self.server.stop(grace=1.0)
         if self.prefill is not None:
