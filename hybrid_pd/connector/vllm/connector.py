@@ -156,6 +156,8 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._get_connector_metadata()
             assert isinstance(meta, HybridPDMetadata)
             self._worker.apply(meta)
+        elif self._worker is not None:
+            self._worker.idle = False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

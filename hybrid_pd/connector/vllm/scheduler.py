@@ -199,6 +199,7 @@ class SchedulerHalf:
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._meta = self._meta, HybridPDMetadata()
+        meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         if timeline.enabled():
             self._stamp_step(meta, scheduler_output)
         return meta

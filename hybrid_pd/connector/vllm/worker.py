@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 #: starts alongside this one answers within a few minutes).
 _DIAL_TRIES = 300
 _DIAL_PERIOD_S = 1.0
+#: How long an idle step waits for a transfer to end before it reports (see `results`).
+IDLE_WAIT_S = 0.005
 
 
 class WorkerHalf:
@@ -60,6 +62,11 @@ class WorkerHalf:
         self._reported = dict.fromkeys(COUNTERS, 0)
         self._load_failures = 0
         self._closing = threading.Event()
+        #: Set when a load ends or kept blocks are freed: what an idle step waits for.
+        self._ended = threading.Event()
+        #: Whether this step computes nothing (`HybridPDMetadata.idle`).
+        self.idle = False
+        self._loads_running = 0
         #: Timeline: loads running, this server's request id -> the prefill's.
         self._loading: dict[str, str] = {}
         host = options.control_host
@@ -95,6 +102,7 @@ class WorkerHalf:
                 # pack a pull's runs of blocks into a few scatter-gather UCX messages
                 scatter_gather=options.scatter_gather,
             )
+            self.decode.notify = self._ended.set
             if options.peers:  # shake hands now: the first request does not pay for it
                 threading.Thread(
                     target=self._dial, args=(options.peers,), name="kv-dial", daemon=True
@@ -123,8 +131,10 @@ class WorkerHalf:
     def _freed(self, request_id: str) -> None:  # lease released, aborted or expired
         with self._lock:
             self._sent.add(request_id)
+        self._ended.set()
 
     def apply(self, meta: HybridPDMetadata) -> None:
+        self.idle = meta.idle
         if not (meta.sends or meta.loads or meta.drops):
             return
         with unpinned(self._cpus):  # pull and control threads start here, on first use
@@ -143,6 +153,7 @@ class WorkerHalf:
                 timeline.stamp(ld.params.request_id, "load_applied")
                 self._loading[ld.request_id] = ld.params.request_id
             self.decode.start_load_kv(ld.request_id, self._ranked(ld.params), ld.block_ids)
+            self._loads_running += 1
         for p in meta.drops:
             if self.decode is None:
                 continue
@@ -167,7 +178,20 @@ class WorkerHalf:
                 pass  # the pull fails, saying why
         return dataclasses.replace(params, control_address=address)
 
+    def _in_flight(self) -> bool:
+        """Hand-offs under way here: loads running, or blocks kept for a decode server."""
+        if self.decode is not None and self._loads_running > 0:
+            return True
+        return self.prefill is not None and self.prefill.num_leases > 0
+
     def results(self) -> KVConnectorTransferResults:
+        """What ended since the last step. An idle step while hand-offs are in flight
+        first waits up to IDLE_WAIT_S for one to end (woken at once when it does): vLLM
+        steps idle in a loop then, and its worker would spin on a core between those
+        steps, the core our transfer threads need to finish them."""
+        if self.idle and self._in_flight():
+            self._ended.wait(IDLE_WAIT_S)
+        self._ended.clear()
         res = KVConnectorTransferResults()
         if self.prefill is not None:
             self.prefill.expire()
@@ -175,6 +199,7 @@ class WorkerHalf:
                 res.finished_sending, self._sent = self._sent, set()
         if self.decode is not None:
             for r in self.decode.get_finished():
+                self._loads_running -= 1
                 res.finished_recving.add(r.request_id)
                 if self._loading:
                     timeline.stamp(self._loading.pop(r.request_id, r.request_id), "reported")
