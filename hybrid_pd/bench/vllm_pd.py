@@ -116,6 +116,8 @@ class _Pair:
 
     def wait_ready(self) -> None:
         start_all([self.prefill, self.decode])
+        for server in (self.prefill, self.decode):
+            server.client.timeout = 900.0  # a 16k-token prompt's prefill on a loaded CPU
 
     def stop(self) -> None:
         self.prefill.stop()
