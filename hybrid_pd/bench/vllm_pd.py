@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_pd.bench.peer_vllm import agreeing_tokens
+from hybrid_pd.bench.vllm_handoff import handoff_figures, timelines
 from hybrid_pd.bench.vllm_servers import Server, cpu_halves, start_all
+from hybrid_pd.connector import timeline
 from hybrid_pd.workers.vllm_server import free_port
 
 CONNECTORS = ("hybrid-pd", "nixl")
@@ -48,6 +50,12 @@ def add_bench_vllm(bsub: argparse._SubParsersAction) -> None:
     v.add_argument("--prompts", type=int, default=6)
     v.add_argument("--min-len", type=int, default=32)
     v.add_argument("--max-len", type=int, default=800)
+    v.add_argument(
+        "--prompt-lens",
+        default="",
+        help="comma-separated prompt lengths in tokens (e.g. 128,2048,16384): --prompts "
+        "prompts of each length instead of random lengths in [--min-len, --max-len]",
+    )
     v.add_argument("--max-tokens", type=int, default=16)
     v.add_argument("--reps", type=int, default=2)
     v.add_argument("--seed", type=int, default=0)
@@ -76,7 +84,8 @@ class _Pair:
         self.name = name
         if name == "hybrid-pd":
             control = free_port()
-            env = {**env, "HYBRID_PD_SECRET": secrets.token_urlsafe(24)}
+            # the servers stamp each hand-off's stages in their logs (`connector.timeline`)
+            env = {**env, "HYBRID_PD_SECRET": secrets.token_urlsafe(24), timeline.ENV: "1"}
             sides = (
                 dict(role="kv_producer", extra={"control_port": control}, env=env),
                 dict(role="kv_consumer", extra={"peers": [f"127.0.0.1:{control}"]}, env=env),
@@ -98,6 +107,8 @@ class _Pair:
                 cpus=cpus,
                 dtype=args.dtype,
                 python=args.python,
+                max_model_len=args.max_model_len,
+                kv_cache_bytes=args.kv_cache_bytes,
                 **kw,
             )
             for side, cpus, kw in zip(("prefill", "decode"), cpu_halves(), sides, strict=True)
@@ -105,6 +116,8 @@ class _Pair:
 
     def wait_ready(self) -> None:
         start_all([self.prefill, self.decode])
+        for server in (self.prefill, self.decode):
+            server.client.timeout = 900.0  # a 16k-token prompt's prefill on a loaded CPU
 
     def stop(self) -> None:
         self.prefill.stop()
@@ -129,7 +142,16 @@ class _Pair:
             raise RuntimeError(f"{self.name}: the prefill server returned no kv_transfer_params")
         # as vLLM's routers do: the prefill's reply is dropped, decode's carries every token
         ids, ttft, total = self.decode.stream_timed({**body, "kv_transfer_params": params})
-        return {"ids": ids, "prefill_s": prefill_s, "decode_ttft_s": ttft, "decode_s": total}
+        hid = (params.get("hybrid_pd") or {}).get("request_id") or params.get(
+            "remote_request_id", ""
+        )
+        return {
+            "ids": ids,
+            "prefill_s": prefill_s,
+            "decode_ttft_s": ttft,
+            "decode_s": total,
+            "handoff_id": hid,
+        }
 
 
 def _public(row: dict) -> dict:
@@ -147,7 +169,14 @@ def bench_vllm(args: argparse.Namespace) -> dict[str, Any]:
     if args.vocab is None:
         args.vocab = int(json.loads((model / "config.json").read_text()).get("vocab_size", 256))
     rng = random.Random(args.seed)
-    lengths = [rng.randrange(args.min_len, args.max_len + 1) for _ in range(args.prompts)]
+    if args.prompt_lens:
+        fixed = [int(n) for n in args.prompt_lens.split(",") if n.strip()]
+        lengths = [n for n in fixed for _ in range(args.prompts)]
+    else:
+        lengths = [rng.randrange(args.min_len, args.max_len + 1) for _ in range(args.prompts)]
+    # room for the longest prompt and its tokens; KV for two such requests at once
+    args.max_model_len = max(1024, max(lengths) + args.max_tokens + 16)
+    args.kv_cache_bytes = max(64 << 20, args.max_model_len * (16 << 10))
     prompts = [[rng.randrange(3, args.vocab - 1) for _ in range(n)] for n in lengths]
     base = {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
 
@@ -194,6 +223,7 @@ def bench_vllm(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for p in pairs:
             p.stop()
+    stamps = timelines([p.prefill.log for p in pairs] + [p.decode.log for p in pairs])
 
     out: dict[str, Any] = {
         "model": str(model),
@@ -213,6 +243,7 @@ def bench_vllm(args: argparse.Namespace) -> dict[str, Any]:
             "prefill_s_median": round(statistics.median(r["prefill_s"] for r in rs), 4),
             "decode_s_median": round(statistics.median(r["decode_s"] for r in rs), 4),
             "decode_transfer_metrics": transfer[name],
+            "handoff": handoff_figures(rs, stamps),
             "per_request": [_public(r) for r in rs],
         }
     if "hybrid-pd" in rows and "nixl" in rows:

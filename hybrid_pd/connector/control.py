@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from hybrid_pd.connector import timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import GroupGeometry, KVLayout
 from hybrid_pd.connector.watch import until
@@ -197,6 +198,8 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         diff = self.layout.difference(layout_from_pb(request.layout))
         if diff:
             logger.warning("refused handshake from %s: %s", request.engine_id, diff)
+        elif request.ucx_address and self.prefill is not None:
+            self._connect(request.ucx_address)
         return pb.HandshakeReply(
             ok=diff is None,
             error=diff or "",
@@ -205,6 +208,17 @@ class KVControlServicer(pb_grpc.KVControlServicer):
             ucx_address=self.ucx_address,
             scatter_gather=True,
         )
+
+    def _connect(self, peer: bytes) -> None:
+        """Make the UCX endpoint to a decode worker that just shook hands, in the
+        background: its first pull then does not wait for UCX's wire-up."""
+        connect = getattr(self.prefill.transport, "connect", None)
+        if connect is None:
+            return
+        try:
+            connect(peer).add_done_callback(_log_connect_error)
+        except Exception as e:  # the first send makes it then
+            logger.debug("UCX endpoint to a new decode worker not made early: %s", e)
 
     async def _need_prefill(self, context):
         if self.prefill is None:
@@ -229,10 +243,12 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         else:
             # A pull may come before its request's keep (vLLM keeps at its next step): await
             # the keep here, then send on the executor without waiting there.
+            timeline.stamp(rid, "pull_received")
             wait = self.prefill.keep_wait(timeout)
             if wait > 0:
                 settled = partial(self.prefill.settled, rid)
                 await until(self.prefill.watchers, rid, lambda: (settled(), None), wait)
+            timeline.stamp(rid, "keep_present")
             send = partial(
                 self.prefill.pull,
                 rid,
@@ -240,18 +256,24 @@ class KVControlServicer(pb_grpc.KVControlServicer):
                 skip=list(request.skip_blocks),
                 wait_for_keep=False,
             )
+        what = dict(
+            dst_blocks=dst,
+            peer=request.ucx_address,
+            tag=request.tag,
+            timeout=timeout,
+            message_regions=list(request.message_regions),
+            dst_layout=dst_layout,
+        )
         try:
-            res = await asyncio.get_running_loop().run_in_executor(
-                self._sends,
-                lambda: send(
-                    dst_blocks=dst,
-                    peer=request.ucx_address,
-                    tag=request.tag,
-                    timeout=timeout,
-                    message_regions=list(request.message_regions),
-                    dst_layout=dst_layout,
-                ),
-            )
+            if not request.stage_epoch and hasattr(self.prefill.transport, "send_future"):
+                # posted from this loop and awaited here: no send thread to wake
+                res = await self.prefill.pull_async(
+                    rid, request.transfer_token, skip=list(request.skip_blocks), **what
+                )
+            else:
+                res = await asyncio.get_running_loop().run_in_executor(
+                    self._sends, lambda: send(**what)
+                )
         except Exception as e:  # reported to the caller; the lease stays until released
             logger.warning("pull of %s failed: %s", request.request_id, e)
             return pb.PullReply(ok=False, error=str(e))
@@ -311,3 +333,8 @@ class KVControlServicer(pb_grpc.KVControlServicer):
             engine_id=self.prefill.engine_id if kept else "",
             fingerprint=self.prefill.layout.fingerprint if kept else "",
         )
+
+
+def _log_connect_error(future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.debug("UCX endpoint to a new decode worker not made early: %s", future.exception())

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from hybrid_pd.api.params import KVTransferParams
+from hybrid_pd.connector import timeline
 from hybrid_pd.connector.admission import Admission
 from hybrid_pd.connector.base import LoadResult, TransferFailed
 from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
@@ -160,6 +161,7 @@ class DecodeConnector:
         self._pulls.submit(self._load, request_id, params, block_ids, tuple(held))
 
     def _load(self, request_id: RequestId, params: KVTransferParams, block_ids, held) -> None:
+        timeline.stamp(params.request_id, "pull_start")
         release = None
         try:
             st = self.pull(params, block_ids, release=False, held=held)
@@ -174,6 +176,7 @@ class DecodeConnector:
             logger.warning("KV pull for %s failed: %s", request_id, res.error)
             if self._admission.may_dial(params.control_address):
                 self.abort_later(params)  # the prefill worker frees it now, not at expiry
+        timeline.stamp(params.request_id, "finish_load")
         self.finish_load(res)
         if release is not None:  # after the engine heard: not on the request's critical path
             self.release_after(release)
@@ -276,8 +279,17 @@ class DecodeConnector:
             self._plan_with(peer_layout),
         )
         with self._lock:
-            self._peers.setdefault(address, peer)
-        return peer
+            kept = self._peers.setdefault(address, peer)
+        if kept is not peer:  # another thread dialed it meanwhile
+            channel.close()
+        return kept
+
+    def dial(self, address: str) -> None:
+        """Handshake with a known prefill worker now, before any request needs it (the
+        first pull from a peer otherwise pays the channel's and the handshake's set-up;
+        the prefill worker makes its UCX endpoint to us then too). Raises TransferFailed
+        when the peer cannot be reached or its layout differs."""
+        self._peer(address)
 
     def _plan_with(self, peer_layout: KVLayout):
         """Our plan for pulls from a peer of `peer_layout`: pages of one pool each side, or
@@ -346,6 +358,7 @@ class DecodeConnector:
         t0 = time.perf_counter()
         self._admission.admit(params)  # a known peer, or signed params; never a replay
         peer = self._peer(params.control_address)  # the handshake names a layout mismatch
+        timeline.stamp(params.request_id, "peer_ready")
         # the params must come from the layout the handshake agreed to (ours, or a
         # tensor-parallel peer's that maps onto ours)
         if params.fingerprint != (peer.layout or self.layout).fingerprint:
@@ -395,6 +408,7 @@ class DecodeConnector:
             raise TransferFailed("transfer too fragmented (over 65536 messages)")
         tag = self._tag_base | (next(self._counter) % (1 << 24)) << 16
         handle = self.transport.post_recv(peer.ucx_address, tag, messages)
+        timeline.stamp(params.request_id, "recvs_posted", messages=len(messages))
         try:
             reply = peer.stub.PullKV(
                 pb.PullRequest(
@@ -413,7 +427,9 @@ class DecodeConnector:
             )
             if not reply.ok:
                 raise Refused(reply.error)
+            timeline.stamp(params.request_id, "pull_replied")
             handle.wait(self.timeout_s)
+            timeline.stamp(params.request_id, "bytes_arrived")
             self._count_ranks(plan, runs)
         except grpc.RpcError as e:
             handle.cancel()

@@ -11,6 +11,7 @@ handler awaits (a Progress call, a pull that came before its keep): no handler p
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import secrets
@@ -18,12 +19,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.api.signing import sign
-from hybrid_pd.connector import faults
+from hybrid_pd.connector import faults, timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill_stage import Progress, PullResult, Stage, Staging, remember
@@ -88,6 +89,16 @@ def handover_params(
         prompt_digest=prompt_digest(prompt_ids),
     )
     return params if side.secret is None else sign(params, side.secret, side.lease_s)
+
+
+@dataclass
+class _Sending:
+    """One pull being served: its lease (held against freeing), plan, runs and messages."""
+
+    lease: Lease
+    plan: object
+    runs: object = None
+    messages: list = field(default_factory=list)
 
 
 class PrefillConnector(Staging):
@@ -256,32 +267,91 @@ class PrefillConnector(Staging):
         tensor-parallel. `wait_for_keep`: a request not kept yet blocks this thread up to
         `keep_wait` for its keep; KVControl awaits that on its event loop (`settled`,
         `watchers`) and calls with False, so no handler thread waits."""
-        plan = self._plan_for(dst_layout)
         wait = self.keep_wait(timeout) if wait_for_keep else 0.0
         if wait > 0:
             wait_until(self._watch, request_id, lambda: self.settled(request_id), wait)
+        sending = self._begin_pull(
+            request_id, token, dst_blocks, peer, tag, skip, message_regions, dst_layout
+        )
+        try:
+            self.transport.send(peer, tag, sending.messages, timeout)
+        except ValueError as e:
+            raise TransferFailed(f"request {request_id}: {e}") from e
+        finally:
+            self._end_pull(sending)
+        return self._pulled(sending)
+
+    async def pull_async(
+        self,
+        request_id: str,
+        token: str,
+        dst_blocks: list[list[int]],
+        peer: bytes,
+        tag: int,
+        timeout: float = 30.0,
+        skip: Sequence[int] = (),
+        message_regions: Sequence[int] = (),
+        dst_layout: KVLayout | None = None,
+    ) -> PullResult:
+        """`pull` for an event loop (KVControl's): the send is posted on the transport's
+        loop and awaited there, with no thread of a pool in between (each hop is a thread
+        to wake, which on a busy machine is where a pull's time went). Needs a transport
+        with `send_future`; the caller has awaited the keep (`settled`)."""
+        sending = self._begin_pull(
+            request_id, token, dst_blocks, peer, tag, skip, message_regions, dst_layout
+        )
+        try:
+            if sending.messages:
+                await asyncio.wrap_future(
+                    self.transport.send_future(peer, tag, sending.messages, timeout)
+                )
+        except ValueError as e:
+            raise TransferFailed(f"request {request_id}: {e}") from e
+        finally:
+            self._end_pull(sending)
+        return self._pulled(sending)
+
+    def _begin_pull(
+        self, request_id, token, dst_blocks, peer, tag, skip, message_regions, dst_layout
+    ) -> _Sending:
+        """Check the token, hold the lease against freeing, and plan the messages."""
+        plan = self._plan_for(dst_layout)
         with self._lock:
             lease = self._lease(request_id, token)
             lease.pulling += 1
             lease.expires_at = max(lease.expires_at, self._clock() + self.lease_s)
+        sending = _Sending(lease, plan)
         try:
-            runs = plan.runs(_skipped(lease.block_ids, skip), dst_blocks)
-            messages = self._messages(plan, runs, message_regions, request_id, peer, tag)
-            self.transport.send(peer, tag, messages, timeout)
+            sending.runs = plan.runs(_skipped(lease.block_ids, skip), dst_blocks)
+            sending.messages = self._messages(
+                plan, sending.runs, message_regions, request_id, peer, tag
+            )
         except ValueError as e:
+            self._end_pull(sending)
             raise TransferFailed(f"request {request_id}: {e}") from e
-        finally:
-            with self._lock:
-                lease.pulling -= 1
-                free_now = lease.free_after_pull and lease.pulling == 0
-            if free_now:
-                self._free(lease)
-        nbytes = plan.nbytes(runs)
+        except BaseException:
+            self._end_pull(sending)
+            raise
+        timeline.stamp(request_id, "sends_posted")
+        return sending
+
+    def _end_pull(self, sending: _Sending) -> None:
+        """The send ended (or never started): a lease released meanwhile is freed now."""
+        lease = sending.lease
+        with self._lock:
+            lease.pulling -= 1
+            free_now = lease.free_after_pull and lease.pulling == 0
+        if free_now:
+            self._free(lease)
+
+    def _pulled(self, sending: _Sending) -> PullResult:
+        timeline.stamp(sending.lease.request_id, "sends_done")
+        nbytes = sending.plan.nbytes(sending.runs)
         with self._lock:
             self.stats["pulled"] += 1
             self.stats["bytes_sent"] += nbytes
-            self.stats["messages_sent"] += len(messages)
-        return PullResult(nbytes, len(messages))
+            self.stats["messages_sent"] += len(sending.messages)
+        return PullResult(nbytes, len(sending.messages))
 
     def _plan_for(self, dst_layout: KVLayout | None):
         """The plan for a pull into a decode worker of `dst_layout` (None: one rank there,

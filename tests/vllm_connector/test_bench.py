@@ -21,8 +21,8 @@ def test_bench_reports_exact_hand_offs_and_what_moved(tmp_path):
     add_bench_vllm(parser.add_subparsers())
     args = parser.parse_args(
         ["vllm", "--model", str(model), "--python", sys.executable, "--connectors",
-         "hybrid-pd", "--prompts", "2", "--reps", "2", "--max-tokens", "6",
-         "--min-len", "40", "--max-len", "300", "--log-dir", str(tmp_path / "logs")]
+         "hybrid-pd", "--reps", "2", "--max-tokens", "6",
+         "--prompt-lens", "40,300", "--prompts", "1", "--log-dir", str(tmp_path / "logs")]
     )  # fmt: skip
     out = bench_vllm(args)
     ours = out["connectors"]["hybrid-pd"]
@@ -35,3 +35,15 @@ def test_bench_reports_exact_hand_offs_and_what_moved(tmp_path):
     assert moved["hybrid_pd_kv_pull_seconds_total"] > 0
     assert [r["rep"] for r in ours["per_request"]] == [0, 0, 1, 1]
     assert all(r["decode_ttft_s"] > 0 for r in ours["per_request"])
+    assert out["prompt_lens"] == [40, 300]
+    # the servers' timeline: every stage of each hand-off, per prompt length
+    for n in ("40", "300"):
+        fig = ours["handoff"][n]
+        assert fig["decode_ttft_s"]["n"] == 2
+        assert fig["handoff_s"]["n"] == 2 and 0 < fig["handoff_s"]["p50"] <= fig["handoff_s"]["p99"]
+        assert 0 < fig["pull_s"]["p50"] < fig["handoff_s"]["max"]
+        stages = fig["stages_ms_p50"]
+        for stage in ("kept", "decode_arrived", "pull_received", "sends_done", "bytes_arrived",
+                      "reported", "finished_seen", "first_step"):  # fmt: skip
+            assert stages[stage] >= 0, stage
+    assert all(r["handoff_s"] > r["pull_s"] > 0 for r in ours["per_request"])

@@ -79,6 +79,9 @@ class RequestPoller:
             self._endpoints[peer] = ep
         return ep
 
+    async def _connect_async(self, peer: bytes) -> None:
+        self._endpoint(peer)
+
     def _new_op(self, kind: str, peer: bytes, tags: list[int], sizes: list[int], keep: list) -> Op:
         loop = self._loop
         return Op(

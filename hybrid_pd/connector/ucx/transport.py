@@ -269,13 +269,29 @@ class UcxTransport(RequestPoller):
         """Send entry i (a tensor, or a list of tensors as one scatter-gather message) as one
         message with tag `tag + i` to the worker at `peer`; blocks until all are delivered.
         Raises TransferError on failure or timeout."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("blocking UcxTransport call from its own loop thread")
+        if not regions:
+            self._check_open()
+            return
+        self._result(self.send_future(peer, tag, regions, timeout), timeout)
+
+    def send_future(
+        self, peer: bytes, tag: int, regions: list, timeout: float
+    ) -> concurrent.futures.Future:
+        """`send` without blocking: the send is posted on the transport's loop and the
+        returned future ends with it (TransferError on failure or timeout). An event loop
+        of another thread awaits it (`asyncio.wrap_future`) with no thread in between."""
         self._check_open()
         peer = bytes(peer)
         tags = wire_tags(self._address, tag, len(regions))
-        msgs = pack_messages(regions)
-        if not regions:
-            return
-        self._call(self._send_async(peer, tags, msgs, timeout), timeout)
+        return self._submit(self._send_async(peer, tags, pack_messages(regions), timeout))
+
+    def connect(self, peer: bytes) -> concurrent.futures.Future:
+        """Make the endpoint to `peer` now, in the background, so the first send to it does
+        not wait for UCX's wire-up (a peer just met at a handshake)."""
+        self._check_open()
+        return self._submit(self._connect_async(bytes(peer)))
 
     def post_recv(self, peer: bytes, tag: int, regions: list) -> RecvHandle:
         """Post receives of messages `tag + i` from `peer` straight into `regions[i]` (a
@@ -309,15 +325,20 @@ class UcxTransport(RequestPoller):
             raise TransferError("transport not started (call start())")
 
     def _call(self, coro: Any, timeout: float) -> Any:
-        loop = self._loop
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("blocking UcxTransport call from its own loop thread")
+        return self._result(self._submit(coro), timeout)
+
+    def _submit(self, coro: Any) -> concurrent.futures.Future:
         try:
-            cf = asyncio.run_coroutine_threadsafe(coro, loop)
+            return asyncio.run_coroutine_threadsafe(coro, self._loop)
         except RuntimeError as e:  # loop closed under us
             coro.close()
             raise TransferError(f"transport is closed: {e}") from e
+
+    @staticmethod
+    def _result(cf: concurrent.futures.Future, timeout: float) -> Any:
         try:
             return cf.result(timeout + CANCEL_GRACE_S + _LOOP_SLACK_S)
         except concurrent.futures.TimeoutError as e:

@@ -123,7 +123,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.request_finished_all_groups(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        return
+        self._scheduler.update_connector_output(connector_output)
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:
         self._scheduler.set_xfer_handshake_metadata(metadata)
@@ -156,6 +156,8 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
             meta = self._get_connector_metadata()
             assert isinstance(meta, HybridPDMetadata)
             self._worker.apply(meta)
+        elif self._worker is not None:
+            self._worker.idle = False
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

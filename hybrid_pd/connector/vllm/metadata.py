@@ -33,6 +33,8 @@ class HybridPDMetadata(KVConnectorMetadata):
     loads: list[Load] = field(default_factory=list)
     #: Params handed over but never loaded here: the prefill worker may free them now.
     drops: list[KVTransferParams] = field(default_factory=list)
+    #: The step computes nothing (vLLM steps idle while hand-offs are in flight).
+    idle: bool = False
 
 
 @dataclass

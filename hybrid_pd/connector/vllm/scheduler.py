@@ -16,6 +16,7 @@ from vllm.v1.request import RequestStatus
 
 from hybrid_pd.api.params import KVTransferParams, prompt_digest
 from hybrid_pd.api.signing import refusal
+from hybrid_pd.connector import timeline
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import handover_params
 from hybrid_pd.connector.vllm.clip import BlockClipper
@@ -73,6 +74,9 @@ class SchedulerHalf:
         self._meta = HybridPDMetadata()
         self._pending: dict[str, KVTransferParams] = {}
         self._differences: dict[tuple[str, str], str] = {}  # why a peer's layout differs
+        #: Loads planned, not yet stepped: this server's request id -> the prefill's (the
+        #: id the hand-off's timeline is stamped under).
+        self._loading: dict[str, str] = {}
         self.first_tokens = FirstTokens()
 
     def on_new_request(self, request: Request) -> None:
@@ -103,6 +107,7 @@ class SchedulerHalf:
         request.max_tokens -= 1
         request.update_block_hashes()
         self._pending[request.request_id] = params
+        timeline.stamp(params.request_id, "decode_arrived")
         if _replies_first_token(request):
             self.first_tokens.owe(request.request_id, params.first_token)
 
@@ -194,15 +199,40 @@ class SchedulerHalf:
             return
         local = self.clipper.clip(blocks.get_unhashed_block_ids_all_groups())
         self._meta.loads.append(Load(request.request_id, params, local))
+        if timeline.enabled():
+            timeline.stamp(params.request_id, "load_planned")
+            self._loading[request.request_id] = params.request_id
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._meta = self._meta, HybridPDMetadata()
+        meta.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        if timeline.enabled():
+            self._stamp_step(meta, scheduler_output)
         return meta
+
+    def _stamp_step(self, meta: HybridPDMetadata, scheduler_output: Any) -> None:
+        """Timeline: keeps handed to the worker half, and loaded requests' first step."""
+        for s in meta.sends:
+            timeline.stamp(s.request_id, "keep_meta")
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        for rid in [r for r in self._loading if r in scheduled]:
+            if any(ld.request_id == rid for ld in meta.loads):
+                continue  # planned in this very step: its load has not begun
+            timeline.stamp(self._loading.pop(rid), "first_step")
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Timeline: the loads vLLM's scheduler heard had finished."""
+        if not self._loading:
+            return
+        for rid in connector_output.finished_recving or ():
+            if rid in self._loading:
+                timeline.stamp(self._loading[rid], "finished_seen")
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         self.first_tokens.ended(request.request_id)
+        self._loading.pop(request.request_id, None)
         params = self._pending.pop(request.request_id, None)
         if params is not None:  # decode: finished before its load was planned
             self._meta.drops.append(params)
@@ -233,12 +263,13 @@ class SchedulerHalf:
             request.output_token_ids[0],
             token,
         ).to_dict()
+        timeline.stamp(request.request_id, "params_out")
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
             "remote_request_id": request.request_id,
-            PARAMS_KEY: kv.to_dict(),
+            PARAMS_KEY: kv,
         }
 
     def set_xfer_handshake_metadata(self, metadata: dict) -> None:

@@ -14,6 +14,7 @@ import threading
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
+from hybrid_pd.connector import timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.vllm.metadata import HybridPDMetadata
@@ -24,6 +25,13 @@ from hybrid_pd.connector.vllm.plan import VllmPlan
 from hybrid_pd.kvcache.ids import EngineId, RequestId
 
 logger = logging.getLogger(__name__)
+
+#: Start-up handshakes with configured peers: tries and their period (a peer server that
+#: starts alongside this one answers within a few minutes).
+_DIAL_TRIES = 300
+_DIAL_PERIOD_S = 1.0
+#: How long an idle step waits for a transfer to end before it reports (see `results`).
+IDLE_WAIT_S = 0.005
 
 
 class WorkerHalf:
@@ -54,6 +62,14 @@ class WorkerHalf:
         self._sent: set[str] = set()
         self._reported = dict.fromkeys(COUNTERS, 0)
         self._load_failures = 0
+        self._closing = threading.Event()
+        #: Set when a load ends or kept blocks are freed: what an idle step waits for.
+        self._ended = threading.Event()
+        #: Whether this step computes nothing (`HybridPDMetadata.idle`).
+        self.idle = False
+        self._loads_running = 0
+        #: Timeline: loads running, this server's request id -> the prefill's.
+        self._loading: dict[str, str] = {}
         host = options.control_host
         self.transport = start_transport(host)
         self.prefill = self.decode = self.server = None
@@ -87,12 +103,39 @@ class WorkerHalf:
                 # pack a pull's runs of blocks into a few scatter-gather UCX messages
                 scatter_gather=options.scatter_gather,
             )
+            self.decode.notify = self._ended.set
+            if options.peers:  # shake hands now: the first request does not pay for it
+                threading.Thread(
+                    target=self._dial, args=(options.peers,), name="kv-dial", daemon=True
+                ).start()
+
+    def _dial(self, peers: tuple[str, ...]) -> None:
+        """Handshake with each configured prefill server, retrying while it starts (at
+        most `_DIAL_TRIES` times, `_DIAL_PERIOD_S` apart); one that never answers is
+        dialed by its first pull, as without this."""
+        for address in peers:
+            for _ in range(_DIAL_TRIES):
+                try:
+                    self.decode.dial(address)
+                    logger.info("hybrid-pd connector: shook hands with %s", address)
+                    break
+                except TransferFailed as e:
+                    if "refused the handshake" in str(e):
+                        logger.warning("hybrid-pd connector: %s", e)
+                        break
+                except Exception as e:  # closed meanwhile
+                    logger.debug("dialing %s stopped: %s", address, e)
+                    return
+                if self._closing.wait(_DIAL_PERIOD_S):
+                    return
 
     def _freed(self, request_id: RequestId) -> None:  # lease released, aborted or expired
         with self._lock:
             self._sent.add(request_id)
+        self._ended.set()
 
     def apply(self, meta: HybridPDMetadata) -> None:
+        self.idle = meta.idle
         if not (meta.sends or meta.loads or meta.drops):
             return
         with unpinned(self._cpus):  # pull and control threads start here, on first use
@@ -103,10 +146,15 @@ class WorkerHalf:
             if self.prefill is None:
                 raise RuntimeError("a kv_consumer was asked to keep KV for a decode server")
             self.prefill.keep(s.request_id, s.token, s.block_ids)
+            timeline.stamp(s.request_id, "kept")
         for ld in meta.loads:
             if self.decode is None:
                 raise RuntimeError("a kv_producer was asked to load KV")
+            if timeline.enabled():
+                timeline.stamp(ld.params.request_id, "load_applied")
+                self._loading[ld.request_id] = ld.params.request_id
             self.decode.start_load_kv(ld.request_id, self._ranked(ld.params), ld.block_ids)
+            self._loads_running += 1
         for p in meta.drops:
             if self.decode is None:
                 continue
@@ -131,7 +179,20 @@ class WorkerHalf:
                 pass  # the pull fails, saying why
         return dataclasses.replace(params, control_address=address)
 
+    def _in_flight(self) -> bool:
+        """Hand-offs under way here: loads running, or blocks kept for a decode server."""
+        if self.decode is not None and self._loads_running > 0:
+            return True
+        return self.prefill is not None and self.prefill.num_leases > 0
+
     def results(self) -> KVConnectorTransferResults:
+        """What ended since the last step. An idle step while hand-offs are in flight
+        first waits up to IDLE_WAIT_S for one to end (woken at once when it does): vLLM
+        steps idle in a loop then, and its worker would spin on a core between those
+        steps, the core our transfer threads need to finish them."""
+        if self.idle and self._in_flight():
+            self._ended.wait(IDLE_WAIT_S)
+        self._ended.clear()
         res = KVConnectorTransferResults()
         if self.prefill is not None:
             self.prefill.expire()
@@ -139,7 +200,10 @@ class WorkerHalf:
                 res.finished_sending, self._sent = self._sent, set()
         if self.decode is not None:
             for r in self.decode.get_finished():
+                self._loads_running -= 1
                 res.finished_recving.add(r.request_id)
+                if self._loading:
+                    timeline.stamp(self._loading.pop(r.request_id, r.request_id), "reported")
                 if r.error is not None:
                     res.failed_recving.add(r.request_id)
                     self._load_failures += 1
@@ -175,6 +239,7 @@ class WorkerHalf:
         return delta
 
     def close(self) -> None:
+        self._closing.set()
         if self.server is not None:
             self.server.stop(grace=1.0)
         if self.prefill is not None:

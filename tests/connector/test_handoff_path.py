@@ -1,0 +1,127 @@
+"""The hand-off's pull path in one process, with real parts: a KVControl server (grpc.aio),
+two UCX transports on loopback, the prefill and decode connectors over torch pools.
+
+Checked: the bytes arrive equal; the prefill side sends from the control server's loop
+(no send thread woken); a handshake up front makes the prefill's UCX endpoint before any
+pull; the release that follows frees the blocks once; the timeline names every stage, in
+order, under the prefill's request id."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from hybrid_pd.api.params import KVTransferParams
+from hybrid_pd.bench.vllm_handoff import STAGES, handoff_figures, percentile, stage_deltas
+from hybrid_pd.connector import timeline
+from hybrid_pd.connector.decode import DecodeConnector
+from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.prefill import PrefillConnector
+from hybrid_pd.connector.setup import add_kv_control, open_server, start_transport
+from hybrid_pd.kvcache.grouping import plan_groups
+from tests.connector.test_connector_units import _Req, model
+
+SECRET = "handoff-test-secret"
+
+
+def _wait(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_pull_sends_from_the_control_loop_and_stamps_each_stage(caplog):
+    layout = KVLayout.of(plan_groups(model(), block_size=4), "m")
+    page = layout.page_size_bytes
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (24, page), dtype=torch.uint8, generator=g)
+    dst = torch.zeros_like(src)
+    freed: list[str] = []
+    tp, td = start_transport("127.0.0.1"), start_transport("127.0.0.1")
+    server, address = open_server("127.0.0.1", 0, SECRET)
+    prefill = PrefillConnector(
+        engine_id="p",
+        layout=layout,
+        control_address=address,
+        free_blocks=freed.append,
+        region=lambda b, n: src[b : b + n],
+        transport=tp,
+        secret=SECRET,
+    )
+    decode = None
+    try:
+        add_kv_control(server, "p", layout, tp, prefill)
+        server.start()
+        decode = DecodeConnector(
+            engine_id="d",
+            layout=layout,
+            transport=td,
+            region=lambda b, n: dst[b : b + n],
+            secret=SECRET,
+            peers=(address,),
+        )
+        decode.dial(address)
+        # the handshake made the prefill's UCX endpoint to us, in the background
+        assert _wait(lambda: tp.endpoint_count == 1, 10.0)
+        n_groups = len(layout.groups)
+        kept = tuple([1 + 3 * i, 2 + 3 * i] for i in range(n_groups))
+        _, raw = prefill.request_finished_all_groups(_Req("r", [1] * 8, [7]), kept)
+        params = KVTransferParams.from_dict(raw)
+        dst_ids = tuple([12 + 3 * i, 13 + 3 * i] for i in range(n_groups))
+        caplog.set_level(logging.DEBUG, logger=timeline.__name__)
+        stats = decode.pull(params, dst_ids)
+        for s_ids, d_ids in zip(kept, dst_ids, strict=True):
+            for s, d in zip(s_ids, d_ids, strict=True):
+                assert torch.equal(dst[d], src[s])
+        assert stats.bytes == 2 * n_groups * page
+        assert freed == ["r"] and prefill.num_leases == 0  # released once, after the pull
+        assert not [t for t in threading.enumerate() if t.name.startswith("kv-send")]
+        stamps = timeline.parse(r.getMessage() for r in caplog.records)["r"]
+        seen = [s for s in STAGES if s in stamps]
+        assert seen == [
+            "peer_ready",
+            "recvs_posted",
+            "pull_received",
+            "keep_present",
+            "sends_posted",
+            "sends_done",
+            "pull_replied",
+            "bytes_arrived",
+        ]
+        times = [stamps[s] for s in seen]
+        assert times == sorted(times)
+        deltas = stage_deltas(stamps)
+        assert set(deltas) == set(seen[1:]) and all(v >= 0 for v in deltas.values())
+    finally:
+        if decode is not None:
+            decode.close()
+        server.stop()
+        prefill.close()
+        tp.close()
+        td.close()
+
+
+def test_handoff_figures_per_prompt_length():
+    t = 1000.0
+    rows = []
+    stamps = {}
+    for i, (n, ttft) in enumerate([(128, 0.05), (128, 0.07), (2048, 0.2)]):
+        rid = f"r{i}"
+        stamps[rid] = {"params_out": t, "pull_start": t + 0.01, "bytes_arrived": t + 0.03}
+        stamps[rid]["first_step"] = t + 0.04 + i * 0.01
+        rows.append({"prompt_len": n, "decode_ttft_s": ttft, "handoff_id": rid})
+    rows.append({"prompt_len": 2048, "decode_ttft_s": 0.3, "handoff_id": "nixl-id"})
+    out = handoff_figures(rows, stamps)
+    assert set(out) == {"128", "2048"}
+    assert out["128"]["decode_ttft_s"] == {"p50": 0.05, "p99": 0.07, "max": 0.07, "n": 2}
+    assert out["128"]["handoff_s"]["p99"] == 0.05 and out["128"]["pull_s"]["n"] == 2
+    assert out["2048"]["handoff_s"]["n"] == 1  # the row without stamps has client figures only
+    assert out["2048"]["decode_ttft_s"]["n"] == 2
+    assert out["128"]["stages_ms_p50"]["pull_start"] == 10.0
+    assert percentile([3, 1, 2], 50) == 2 and percentile([1, 2, 3, 4], 99) == 4
