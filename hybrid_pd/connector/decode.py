@@ -92,7 +92,8 @@ class DecodeConnector:
         self.timeout_s = timeout_s
         self._peers: dict[str, Peer] = {}
         self._bare: dict[str, grpc.Channel] = {}  # control-only channels (see _stub)
-        self._admission = Admission(peers, secret)
+        #: Which prefill workers this one may dial (known peers, signed params' addresses).
+        self.admission = Admission(peers, secret)
         self._lock = threading.Lock()
         # Tags: a random per-connector base plus a counter, 2**16 messages per transfer.
         self._tag_base = secrets.randbits(24) << 40
@@ -174,7 +175,7 @@ class DecodeConnector:
             res = LoadResult(request_id, f"{type(e).__name__}: {e}")
         if res.error is not None:
             logger.warning("KV pull for %s failed: %s", request_id, res.error)
-            if self._admission.may_dial(params.control_address):
+            if self.admission.may_dial(params.control_address):
                 self.abort_later(params)  # the prefill worker frees it now, not at expiry
         timeline.stamp(params.request_id, "finish_load")
         self.finish_load(res)
@@ -222,26 +223,18 @@ class DecodeConnector:
 
     def add_peers(self, addresses) -> None:
         """Prefill workers (control addresses) this worker may dial from now on."""
-        self._admission.add(addresses)
+        self.admission.add(addresses)
 
     @property
     def known_peers(self) -> list[str]:
-        return self._admission.known
-
-    def may_dial(self, address: str) -> bool:
-        """A known peer, or an address signed params vouched for (until they expire)."""
-        return self._admission.may_dial(address)
-
-    def admit(self, params: KVTransferParams, address: str | None = None) -> None:
-        """See `Admission.admit` (raises TransferFailed)."""
-        self._admission.admit(params, address)
+        return self.admission.known
 
     def _peer(self, address: str) -> Peer:
         with self._lock:
             peer = self._peers.get(address)
         if peer is not None:
             return peer
-        if not self._admission.may_dial(address):
+        if not self.admission.may_dial(address):
             # Never dial (and send the secret to) an address taken from a request.
             raise TransferFailed(
                 f"{address} is not a known prefill worker of this decode worker "
@@ -329,7 +322,7 @@ class DecodeConnector:
             peer = self._peers.get(address)
             if peer is not None:
                 return peer.stub
-            if not self._admission.may_dial(address):
+            if not self.admission.may_dial(address):
                 raise TransferFailed(f"{address} is not a known prefill worker of this one")
             if address not in self._bare:
                 self._bare[address] = grpc.insecure_channel(address)
@@ -356,7 +349,7 @@ class DecodeConnector:
         prefix cache). Raises TransferFailed. The seconds reported run from the call to
         the bytes' arrival."""
         t0 = time.perf_counter()
-        self._admission.admit(params)  # a known peer, or signed params; never a replay
+        self.admission.admit(params)  # a known peer, or signed params; never a replay
         peer = self._peer(params.control_address)  # the handshake names a layout mismatch
         timeline.stamp(params.request_id, "peer_ready")
         # the params must come from the layout the handshake agreed to (ours, or a
@@ -382,7 +375,7 @@ class DecodeConnector:
             self._count(failed=1)
             raise
         stats = TransferStats(reply.bytes, reply.messages, time.perf_counter() - t0)
-        self._admission.spend(params)
+        self.admission.spend(params)
         if release:
             self._release(peer, params)
         self._count(

@@ -160,7 +160,7 @@ class WorkerHalf:
                 continue
             p = self._ranked(p)
             try:  # a known peer, or one the params vouch for: it frees the blocks now
-                self.decode.admit(p)
+                self.decode.admission.admit(p)
             except TransferFailed:
                 continue  # else its lease expires on its own
             self.decode.abort_later(p)
@@ -174,7 +174,7 @@ class WorkerHalf:
             # rank 0's signed params vouch for the same server's rank `rank` (the
             # re-addressed params' signature no longer matches their address)
             try:
-                self.decode.admit(params, address)
+                self.decode.admission.admit(params, address)
             except TransferFailed:
                 pass  # the pull fails, saying why
         return dataclasses.replace(params, control_address=address)
