@@ -47,7 +47,7 @@ DEFAULT_SLOT_BYTES = 4 << 20
 #: Microseconds a waiter busy-polls, then polls yielding its core, before it sleeps on a
 #: futex (env HYBRID_PD_TP_SPIN_US, HYBRID_PD_TP_YIELD_US; see docs/architecture.md).
 DEFAULT_SPIN_US = 50.0
-DEFAULT_YIELD_US = 2000.0
+DEFAULT_YIELD_US = 200.0
 #: How often a sleeping waiter checks that its peers live (ms).
 CHECK_MS = 20
 _TOO_LARGE = -1
