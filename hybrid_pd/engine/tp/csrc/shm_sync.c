@@ -96,8 +96,9 @@ int hpd_wait(char *counters, int n, long stride, uint32_t target, const int32_t 
              double spin_us, double yield_us, int check_ms, double timeout_s) {
     int i = 0, yielding = 0;
     long round = 0;
-    double start = now_s(), next_check = 0;
+    double start = now_s();
     double spin_end = start + 1e-6 * spin_us, yield_end = spin_end + 1e-6 * yield_us;
+    double next_check = yield_end + 1e-3 * check_ms;  /* the peers' liveness: not before */
     double deadline = timeout_s > 0 ? start + timeout_s : 0;
     while (i < n) {
         hpd_counter *c = (hpd_counter *)(counters + (long)i * stride);
