@@ -48,6 +48,11 @@ def add_tp_parser(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--prompt-len", type=int, default=128)
     t.add_argument("--decode-tokens", type=int, default=32)
     t.add_argument("--reps", type=int, default=2, help="alternating throughput repetitions")
+    t.add_argument(
+        "--gloo-baseline",
+        action="store_true",
+        help="also TP 2 with gloo's collectives instead of shared memory's (tp2_gloo)",
+    )
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_bench_tp)
 
@@ -73,6 +78,7 @@ def bench_tp(
     prompt_len: int = 128,
     decode_tokens: int = 32,
     reps: int = 2,
+    gloo_baseline: bool = False,
     progress=None,
 ) -> dict[str, Any]:
     """Both halves; {"pairs": [...], "throughput": [...], "meta": {...}}. The checkpoints
@@ -80,7 +86,9 @@ def bench_tp(
     is stopped however the run ends."""
     from hybrid_pd.bench import checkpoints
     from hybrid_pd.bench.tp_pairs import run_family
-    from hybrid_pd.bench.tp_throughput import SETUPS, compare
+    from hybrid_pd.bench.tp_throughput import GLOO_SETUP, SETUPS, compare
+
+    setups = (*SETUPS, GLOO_SETUP) if gloo_baseline else SETUPS
 
     for name in [*families, *throughput_families]:
         if name not in checkpoints.FAMILIES:
@@ -96,7 +104,9 @@ def bench_tp(
             rows += run_family(family, path, pairs, lengths, new_tokens, progress)
         for family in throughput_families:
             path = checkpoints.build(family, root, throughput_hidden)
-            throughput += compare(family, path, list(batch_sizes), prompt_len, decode_tokens, reps)
+            throughput += compare(
+                family, path, list(batch_sizes), prompt_len, decode_tokens, reps, setups
+            )
     meta = {
         "families": {f: checkpoints.DESCRIPTIONS[f] for f in families},
         "hidden": hidden,
@@ -105,7 +115,7 @@ def bench_tp(
         "pair_worker_threads": 1,
         "throughput_hidden": throughput_hidden,
         "throughput_setups": [
-            {"name": n, "tp_size": s, "threads_per_rank": t} for n, s, t in SETUPS
+            {"name": n, "tp_size": s, "threads_per_rank": t, "env": e} for n, s, t, e in setups
         ],
         "reps": reps,
         "cpus": os.cpu_count(),
@@ -157,6 +167,11 @@ def summary(result: dict[str, Any]) -> str:
         dec = f"{one['decode_median']:.0f} -> {two['decode_median']:.0f} ({r['decode_ratio']}x)"
         same = r["tokens_equal"]
         lines.append(f"{r['family']:<10} {r['batch_size']:>5}  {pre:<28} {dec:<28} {same}")
+        if "tp2_gloo" in r:
+            g = r["tp2_gloo"]
+            pre = f"  gloo: {g['prefill_median']:.0f} ({r['gloo_prefill_ratio']}x)"
+            dec = f"{g['decode_median']:.0f} ({r['gloo_decode_ratio']}x)"
+            lines.append(f"{'':<10} {'':>5}  {pre:<28} {dec:<28}")
     m = result["meta"]
     lines.append(
         f"\nall exact {m['all_exact']}, bytes = minimum {m['all_min_bytes']}, clean "
@@ -197,6 +212,7 @@ def _cmd_bench_tp(args: argparse.Namespace) -> int:
             prompt_len=args.prompt_len,
             decode_tokens=args.decode_tokens,
             reps=args.reps,
+            gloo_baseline=args.gloo_baseline,
             progress=progress,
         )
     except ValueError as e:

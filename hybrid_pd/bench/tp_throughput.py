@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -14,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: (name, TP size, torch threads per rank): the same 2 cores either way.
-SETUPS = (("tp1", 1, 2), ("tp2", 2, 1))
+#: (name, TP size, torch threads per rank, environment): the same 2 cores either way.
+SETUPS = (("tp1", 1, 2, {}), ("tp2", 2, 1, {}))
+#: TP 2 with gloo's collectives instead of shared memory's (`bench tp --gloo-baseline`).
+GLOO_SETUP = ("tp2_gloo", 2, 1, {"HYBRID_PD_TP_SHM": "0"})
 
 
 def measure(
@@ -26,9 +29,10 @@ def measure(
     prompt_len: int,
     new_tokens: int,
     timeout_s: float = 600.0,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One setup's run in a fresh process; its JSON (`_main`). RuntimeError when the process
-    fails."""
+    """One setup's run in a fresh process (`env`: added to this one's environment); its
+    JSON (`_main`). RuntimeError when the process fails."""
     cmd = [
         sys.executable,
         "-m",
@@ -46,7 +50,8 @@ def measure(
         "--new-tokens",
         str(new_tokens),
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    full_env = {**os.environ, **(env or {})}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=full_env)
     if out.returncode != 0 or not out.stdout.strip():
         tail = out.stderr[-2000:]
         raise RuntimeError(f"TP {size} throughput run failed ({out.returncode}): {tail}")
@@ -60,14 +65,18 @@ def compare(
     prompt_len: int,
     new_tokens: int,
     reps: int,
+    setups: tuple = SETUPS,
 ) -> list[dict[str, Any]]:
-    """TP 1 (2 threads) and TP 2 (1 thread per rank), alternated `reps` times; one row per
-    batch size: each rep's tokens/s, their medians, tp2 / tp1 ratios, and whether the two
-    setups produced the same greedy tokens."""
-    runs: dict[str, list[dict]] = {name: [] for name, _, _ in SETUPS}
+    """TP 1 (2 threads) and TP 2 (1 thread per rank) (and any other `setups`), alternated
+    `reps` times; one row per batch size: each rep's tokens/s, their medians, tp2 / tp1
+    ratios (and tp2_gloo / tp1 where run), and whether the setups produced the same greedy
+    tokens."""
+    runs: dict[str, list[dict]] = {name: [] for name, _, _, _ in setups}
     for _ in range(reps):
-        for name, size, threads in SETUPS:
-            runs[name].append(measure(path, size, threads, batch_sizes, prompt_len, new_tokens))
+        for name, size, threads, env in setups:
+            runs[name].append(
+                measure(path, size, threads, batch_sizes, prompt_len, new_tokens, env=env)
+            )
     rows = []
     for i, bs in enumerate(batch_sizes):
         row: dict[str, Any] = {
@@ -76,7 +85,7 @@ def compare(
             "prompt_len": prompt_len,
             "new_tokens": new_tokens,
         }
-        for name, size, threads in SETUPS:
+        for name, size, threads, _ in setups:
             per_rep = [r["runs"][i] for r in runs[name]]
             row[name] = {
                 "tp_size": size,
@@ -85,10 +94,15 @@ def compare(
                 "decode_tokens_per_s": [r["decode_tokens_per_s"] for r in per_rep],
                 "prefill_median": statistics.median(r["prefill_tokens_per_s"] for r in per_rep),
                 "decode_median": statistics.median(r["decode_tokens_per_s"] for r in per_rep),
+                "collectives": runs[name][0].get("collectives"),
             }
         one, two = row["tp1"], row["tp2"]
         row["prefill_ratio"] = round(two["prefill_median"] / one["prefill_median"], 3)
         row["decode_ratio"] = round(two["decode_median"] / one["decode_median"], 3)
+        if "tp2_gloo" in row:
+            gloo = row["tp2_gloo"]
+            row["gloo_prefill_ratio"] = round(gloo["prefill_median"] / one["prefill_median"], 3)
+            row["gloo_decode_ratio"] = round(gloo["decode_median"] / one["decode_median"], 3)
         tokens = {name: [r["runs"][i]["tokens"] for r in runs[name]] for name in runs}
         row["tokens_equal"] = all(t == tokens["tp1"][0] for ts in tokens.values() for t in ts)
         rows.append(row)
@@ -143,6 +157,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         RankGroup(args.model, args.size, config, threads=args.threads) if args.size > 1 else None
     )
     group = ranks.group if ranks is not None else SINGLE
+    collectives = "none" if group.size == 1 else "shm" if group.shm is not None else "gloo"
     engine = None
     try:
         model, hf_config, tok = load_model(Path(args.model), tp=group)
@@ -160,7 +175,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if ranks is not None:
             ranks.close(engine)
-    return {"tp_size": args.size, "threads": args.threads, "runs": runs}
+    return {
+        "tp_size": args.size,
+        "threads": args.threads,
+        "collectives": collectives,
+        "runs": runs,
+    }
 
 
 def _main(argv: list[str] | None = None) -> int:

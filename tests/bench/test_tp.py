@@ -9,7 +9,7 @@ import pytest
 from hybrid_pd.bench import checkpoints
 from hybrid_pd.bench.tp import bench_tp, summary
 from hybrid_pd.bench.tp_pairs import parse_pairs, run_family
-from hybrid_pd.bench.tp_throughput import compare
+from hybrid_pd.bench.tp_throughput import GLOO_SETUP, SETUPS, compare
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +31,17 @@ def test_pairs_between_tp_sizes_are_exact_and_minimal(granite):
 
 
 def test_throughput_tp1_vs_tp2_gives_positive_figures(granite):
-    rows = compare("granite", granite, [1, 2], prompt_len=32, new_tokens=4, reps=1)
+    setups = (*SETUPS, GLOO_SETUP)
+    rows = compare("granite", granite, [1, 2], prompt_len=32, new_tokens=4, reps=1, setups=setups)
     assert [r["batch_size"] for r in rows] == [1, 2]
     for r in rows:
-        for setup in ("tp1", "tp2"):
+        for setup in ("tp1", "tp2", "tp2_gloo"):
             assert r[setup]["prefill_median"] > 0 and r[setup]["decode_median"] > 0
             assert len(r[setup]["prefill_tokens_per_s"]) == 1
         assert r["prefill_ratio"] > 0 and r["decode_ratio"] > 0
+        assert r["gloo_prefill_ratio"] > 0 and r["gloo_decode_ratio"] > 0
+        # TP 2 ran on shared memory, the baseline on gloo, and both gave TP 1's tokens
+        assert [r[s]["collectives"] for s in ("tp1", "tp2", "tp2_gloo")] == ["none", "shm", "gloo"]
         assert r["tokens_equal"] is True
 
 

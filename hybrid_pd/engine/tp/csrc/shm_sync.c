@@ -1,0 +1,144 @@
+/* Sequence counters in shared memory for the ranks of one node: publish a number, wait
+ * until other ranks' numbers reach one. The data those numbers guard is written before a
+ * publish (release) and read after a wait (acquire), so a reader sees the bytes the writer
+ * wrote before it published.
+ *
+ * A counter is a 64-byte line of the segment: { uint32 value; uint32 sleepers; }.
+ * Numbers are compared modulo 2^32 ((int32)(value - target) >= 0), so they may wrap.
+ *
+ * A wait spins, then yields the core, then sleeps on the counter's futex (woken by the
+ * publisher when it sees a sleeper), waking every `check_ms` to see whether the ranks it
+ * waits for are still alive: a dead peer is an error, not a hang.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct {
+    uint32_t value;
+    uint32_t sleepers;
+} hpd_counter;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield" ::: "memory");
+#endif
+}
+
+static inline int reached(uint32_t value, uint32_t target) {
+    return (int32_t)(value - target) >= 0;
+}
+
+static long futex(uint32_t *word, int op, uint32_t val, const struct timespec *timeout) {
+    /* not FUTEX_PRIVATE: the word lives in memory shared between processes */
+    return syscall(SYS_futex, word, op, val, timeout, NULL, 0);
+}
+
+/* Store `value` into the counter (release) and wake whoever sleeps on it. The store and
+ * the load of `sleepers` are sequentially consistent, as are the sleeper's increment and
+ * its reload of the value: either the sleeper sees the new value or we see the sleeper. */
+void hpd_publish(hpd_counter *c, uint32_t value) {
+    __atomic_store_n(&c->value, value, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&c->sleepers, __ATOMIC_SEQ_CST) != 0)
+        futex(&c->value, FUTEX_WAKE, INT_MAX, NULL);
+}
+
+/* The counter's value, with acquire ordering. */
+uint32_t hpd_load(const hpd_counter *c) {
+    return __atomic_load_n(&c->value, __ATOMIC_ACQUIRE);
+}
+
+/* Whether process `pid` is gone: no such process, or a zombie (exited, not yet reaped). */
+static int pid_dead(int pid) {
+    if (pid <= 0)
+        return 0;
+    if (kill(pid, 0) != 0)
+        return errno == ESRCH;
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    /* "pid (comm) S ...": the state follows the last ')' */
+    char *close = NULL;
+    for (char *p = buf; *p; p++)
+        if (*p == ')')
+            close = p;
+    return close != NULL && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+}
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* Wait until counters[i * stride] (i < n, `stride` in bytes) all reach `target`.
+ * pids[i]: the process behind counter i (checked for liveness; <= 0: not checked).
+ * spin_us: how long to busy-poll, then yield_us: how long to poll between sched_yield calls
+ * (the core goes to whoever else wants it), before sleeping on the futex; check_ms: how
+ * often a sleeping waiter checks its peers; timeout_s <= 0: no deadline.
+ * Returns 0 when reached, i + 1 when the process behind counter i died, -1 on timeout. */
+int hpd_wait(char *counters, int n, long stride, uint32_t target, const int32_t *pids,
+             double spin_us, double yield_us, int check_ms, double timeout_s) {
+    int i = 0, yielding = 0;
+    long round = 0;
+    double start = now_s();
+    double spin_end = start + 1e-6 * spin_us, yield_end = spin_end + 1e-6 * yield_us;
+    double next_check = yield_end + 1e-3 * check_ms;  /* the peers' liveness: not before */
+    double deadline = timeout_s > 0 ? start + timeout_s : 0;
+    while (i < n) {
+        hpd_counter *c = (hpd_counter *)(counters + (long)i * stride);
+        if (reached(__atomic_load_n(&c->value, __ATOMIC_ACQUIRE), target)) {
+            i++;
+            continue;
+        }
+        if ((++round & 63) != 0) {  /* the clock is read every 64 polls */
+            if (yielding)
+                sched_yield();
+            else
+                cpu_relax();
+            continue;
+        }
+        double t = now_s();
+        if (t < spin_end)
+            continue;
+        if (t < yield_end) {
+            yielding = 1;
+            continue;
+        }
+        if (t >= next_check) {
+            for (int j = i; j < n; j++) {
+                hpd_counter *d = (hpd_counter *)(counters + (long)j * stride);
+                if (!reached(__atomic_load_n(&d->value, __ATOMIC_ACQUIRE), target) &&
+                    pid_dead(pids[j]))
+                    return j + 1;
+            }
+            if (deadline > 0 && t >= deadline)
+                return -1;
+            next_check = t + 1e-3 * check_ms;
+        }
+        __atomic_add_fetch(&c->sleepers, 1, __ATOMIC_SEQ_CST);
+        uint32_t seen = __atomic_load_n(&c->value, __ATOMIC_SEQ_CST);
+        if (!reached(seen, target)) {
+            struct timespec ts = {check_ms / 1000, (long)(check_ms % 1000) * 1000000L};
+            futex(&c->value, FUTEX_WAIT, seen, &ts);  /* EAGAIN, ETIMEDOUT, EINTR: re-check */
+        }
+        __atomic_sub_fetch(&c->sleepers, 1, __ATOMIC_SEQ_CST);
+        round = 63;  /* slept once: the next poll reads the clock (and sleeps again) */
+    }
+    return 0;
+}
