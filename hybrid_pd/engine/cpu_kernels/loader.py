@@ -7,21 +7,18 @@ shared, or one). See the package's docstring."""
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from hybrid_pd.engine.cpu_kernels.signatures import declare
+from hybrid_pd.engine.native_build import build_library
 
 # the package's name, as when the package was one module
 logger = logging.getLogger(__package__)
@@ -115,15 +112,6 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
-def _cache_dir() -> Path:
-    given = os.environ.get("HYBRID_PD_KERNEL_CACHE")
-    return Path(given) if given else Path.home() / ".cache" / "hybrid-pd" / "kernels"
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-
-
 def torch_openmp() -> bool:
     """Whether torch's intra-op threads are OpenMP's (its CPU builds for Linux): then the
     kernels are built with OpenMP and split over those threads (`kernel_threads`)."""
@@ -153,82 +141,20 @@ def _sources() -> list[Path]:
     return sorted(CSRC.glob("*.c"))
 
 
-def _source_text() -> str:
-    """Every C file and header of `csrc/`, by name: what the cache key covers."""
-    files = sorted([*CSRC.glob("*.c"), *CSRC.glob("*.h")])
-    return "\0".join(f"{p.name}\0{p.read_text()}" for p in files)
-
-
 def _build() -> Path:
     """The shared library for these sources, CPU and compiler, built if not cached."""
-    cc = _compiler()
-    if cc is None:
-        raise OSError("no C compiler (cc, gcc or $CC) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False)
     level = isa()
-    flags = _flags(level)
     # the CPU's identity only where the flags depend on it (`native`): an explicit level's
     # library is the same on every CPU of that level
     machine = _cpu_identity() if level == "native" else ""
-    parts = (_source_text(), level, " ".join(flags), version.stdout, machine)
-    key = hashlib.sha256(b"\0".join(s.encode() for s in parts)).hexdigest()[:24]
-    folder = _cache_dir()
-    target = folder / f"cpu_kernels-{level}-{key}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    # One build per machine: the engine processes that start together (a worker's ranks,
-    # a host's workers) wait on this lock for the first one's build instead of each
-    # compiling the same library.
-    lock_path = folder / f".lock-{key}"
-    with open(lock_path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():
-            return target
-        _compile(cc, flags, folder, target)
-        # the library exists: later processes never reach the lock (waiters hold it open)
-        lock_path.unlink(missing_ok=True)
-    return target
-
-
-def _compile(cc: str, flags: tuple[str, ...], folder: Path, target: Path) -> None:
-    """Each C file to an object, side by side (as many at once as this process may use
-    CPUs), then one link; the library appears at `target` whole or not at all."""
-    logger.info("building the CPU kernels into %s (once per machine)", target)
-    work = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
-    try:
-        objects = [work / f"{src.stem}.o" for src in _sources()]
-        compile_flags = [f for f in flags if f != "-shared"]
-        jobs = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-        pending = list(zip(_sources(), objects, strict=True))
-        while pending:
-            batch, pending = pending[:jobs], pending[jobs:]
-            procs = [
-                subprocess.Popen(
-                    [cc, *compile_flags, "-c", "-o", str(obj), str(src)],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-                for src, obj in batch
-            ]
-            errors = [p.communicate(timeout=120)[1] for p in procs]
-            failed = [e for p, e in zip(procs, errors, strict=True) if p.returncode != 0]
-            if failed:
-                raise OSError(f"{cc} failed: {failed[0].strip()[-2000:]}")
-        tmp = work / "lib.so"
-        done = subprocess.run(
-            [cc, *flags, "-o", str(tmp), *map(str, objects), "-lm"],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=120,
-        )
-        if done.returncode != 0:
-            raise OSError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    return build_library(
+        f"cpu_kernels-{level}",
+        _sources(),
+        _flags(level),
+        depends=sorted(CSRC.glob("*.h")),
+        key_parts=(level, machine),
+        what="the CPU kernels",
+    )
 
 
 def library() -> ctypes.CDLL | None:
