@@ -195,3 +195,12 @@ def run_level(
     if keep_token_ids:
         row["token_ids"] = {r["index"]: r["token_ids"] for r in ok}
     return row
+
+
+def print_rows(title: str, cols: dict[str, str], rows: list[dict]) -> None:
+    """A titled table of result rows: `cols` maps a row's key to its column heading ("-"
+    where a row has no value)."""
+    print(title)
+    print(" ".join(f"{c:>11}" for c in cols.values()))
+    for r in rows:
+        print(" ".join(f"{'-' if r.get(c) is None else r[c]:>11}" for c in cols))

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.bench.completions import _prompt, run_level
+from hybrid_pd.bench.completions import _prompt, print_rows, run_level
 from hybrid_pd.bench.service import NEVER, _routes, _start_workers, worker_kv_check
 
 SETUPS = ("pd", "aggregated")
@@ -254,10 +254,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
             "e2e_ms_p90": "e2e p90",
         }
         for setup, rows in result["setups"].items():
-            print(f"{setup} (routes {result['routes'][setup]}):")
-            print(" ".join(f"{c:>11}" for c in cols.values()))
-            for r in rows:
-                print(" ".join(f"{'-' if r[c] is None else r[c]:>11}" for c in cols))
+            print_rows(f"{setup} (routes {result['routes'][setup]}):", cols, rows)
         for r in result["ratios"]:
             print(
                 f"pd/aggregated at c={r['concurrency']}: throughput "

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.bench.completions import _prompt, run_level
+from hybrid_pd.bench.completions import _prompt, print_rows, run_level
 from hybrid_pd.bench.serve_peer import _median_rows
 from hybrid_pd.bench.service import _routes, _start_workers, worker_kv_check
 
@@ -170,10 +170,7 @@ def print_schema_result(result: dict) -> None:
         "itl_ms_p90": "ITL p90",
     }
     for v, rows in result["setups"].items():
-        print(f"{v} (medians over {result['reps']} alternating repetitions):")
-        print(" ".join(f"{c:>11}" for c in cols.values()))
-        for r in rows:
-            print(" ".join(f"{'-' if r.get(c) is None else r[c]:>11}" for c in cols))
+        print_rows(f"{v} (medians over {result['reps']} alternating repetitions):", cols, rows)
     for c in result["costs"]:
         print(
             f"c={c['concurrency']}: schema cost per token (ITL p50) {c['schema_cost_per_token']}"
