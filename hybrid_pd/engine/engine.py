@@ -14,7 +14,13 @@ import torch
 from hybrid_pd.connector.base import KVConnector
 from hybrid_pd.engine import cpu_kernels
 from hybrid_pd.engine.batch import make_batch
-from hybrid_pd.engine.grammar import Grammar, GrammarCache, consume, is_done, mask_logits
+from hybrid_pd.engine.grammar import (
+    Grammar,
+    GrammarCache,
+    advance_grammar,
+    mask_logits,
+    sync_grammar,
+)
 from hybrid_pd.engine.logprobs import logprobs_of, score_prompt
 from hybrid_pd.engine.request import Request, Status
 from hybrid_pd.engine.sampling import SamplingParams, catch_up, make_generator, sample
@@ -173,7 +179,7 @@ class Engine:
             if grammar is None or grammar.constraint != params.constraint:
                 grammar = self.grammars.compile(params.constraint)
             req.matcher = grammar.matcher()
-            if not self._sync_grammar(req):
+            if not sync_grammar(req):
                 raise ValueError("the tokens already generated do not match the constraint")
         if remote_decode and self.connector.scheduler is None:
             raise ValueError("remote_decode needs an engine with a prefill connector")
@@ -331,7 +337,7 @@ class Engine:
             req.append_token(token, scored.get(j))
             self._check_stop_strings(req)
             if req.matcher is not None:
-                self._advance_grammar(req)
+                advance_grammar(req)
             if req.finish_reason is None and req.remote_decode:
                 self._hand_over(req)
             elif req.finish_reason is not None:
@@ -384,27 +390,12 @@ class Engine:
                 req.load_result = res
             done = self.scheduler.finish_load(res.request_id, res.error, res.first_token)
             if req is not None and req.matcher is not None and done is None:
-                self._sync_grammar(req)  # a staged load brought the first token
+                sync_grammar(req)  # a staged load brought the first token
             if done is not None:
                 self.requests.pop(done.request_id, None)
                 if done.finish_reason == "error":
                     outputs.append(self._output(done))
         return len(results), outputs
-
-    def _sync_grammar(self, req: Request) -> bool:
-        """Feed the request's matcher the output tokens it has not seen (replayed ones: a
-        prefill worker's first token, a migrated stream's tokens). False if they break it."""
-        ok = consume(req.matcher, req.output_ids[req.matched :])
-        req.matched = len(req.output_ids)
-        return ok
-
-    def _advance_grammar(self, req: Request) -> None:
-        """After a sampled token: the request ends ("stop") where its grammar does."""
-        if not self._sync_grammar(req):
-            req.finish_reason = req.finish_reason or "error"
-            req.error = req.error or "the sampled token broke the constraint"
-        elif req.finish_reason is None and is_done(req.matcher):
-            req.finish_reason = "stop"
 
     def _check_stop_strings(self, req: Request) -> None:
         if not req.params.stop or self.tokenizer is None or req.finish_reason:

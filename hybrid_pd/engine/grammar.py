@@ -111,6 +111,24 @@ def consume(matcher, tokens: Sequence[int]) -> bool:
     return not tokens or matcher.consume_tokens([int(t) for t in tokens])
 
 
+def sync_grammar(req) -> bool:
+    """Feed a request's matcher the output tokens it has not seen (replayed ones: a prefill
+    worker's first token, a migrated stream's tokens). False if they break it."""
+    ok = consume(req.matcher, req.output_ids[req.matched :])
+    req.matched = len(req.output_ids)
+    return ok
+
+
+def advance_grammar(req) -> None:
+    """After a sampled token: the request ends ("stop") where its grammar does, and with an
+    error where the token broke it."""
+    if not sync_grammar(req):
+        req.finish_reason = req.finish_reason or "error"
+        req.error = req.error or "the sampled token broke the constraint"
+    elif req.finish_reason is None and is_done(req.matcher):
+        req.finish_reason = "stop"
+
+
 def is_done(matcher) -> bool:
     """The grammar accepts no further token (other than end-of-sequence)."""
     return matcher.is_stopped()
