@@ -59,13 +59,20 @@ def test_decode_rank_killed_mid_stream_migrates(fleet, tiny_path):
     async def run():
         async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as c:
             tasks = [asyncio.create_task(stream_tokens(c, body_for(p, n_new))) for p in prompts]
-            for _ in range(200):  # until the TP worker streams, then kill its rank 1
+            # until the TP worker streams (at most 60 s: a loaded machine prefills slowly),
+            # then kill its rank 1
+            for _ in range(1200):
                 await asyncio.sleep(0.05)
                 snap = {w["address"]: w for w in proxy.pool.snapshot()}
                 if snap[dec_tp.address]["outstanding_decodes"] > 0:
                     break
+                if all(t.done() for t in tasks):
+                    break
             else:
-                raise AssertionError("no stream reached the tensor-parallel decode worker")
+                raise AssertionError(f"no stream reached the tensor-parallel decode worker: {snap}")
+            if snap[dec_tp.address]["outstanding_decodes"] == 0:
+                ended = [t.exception() or "finished" for t in tasks]
+                raise AssertionError(f"the streams ended before reaching the TP worker: {ended}")
             await asyncio.sleep(0.3)
             import os
             import signal
