@@ -82,6 +82,28 @@ async def stream_tokens(client: httpx.AsyncClient, body: dict) -> tuple[list[int
     return ids, error
 
 
+def stream_with_a_decode_worker_killed(proxy, by_address: dict, bodies: list[dict]):
+    """Stream `bodies` through `proxy`; once a decode worker (of `by_address`: address ->
+    process) holds a stream, kill it. Returns ([(token ids, error)] per body, the victim)."""
+
+    async def run():
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as c:
+            tasks = [asyncio.create_task(stream_tokens(c, b)) for b in bodies]
+            victim = None
+            for _ in range(200):  # wait until streams are open, then kill their worker
+                await asyncio.sleep(0.05)
+                busy = [w for w in proxy.pool.snapshot() if w["outstanding_decodes"] > 0]
+                if busy:
+                    victim = by_address[busy[0]["address"]]
+                    break
+            assert victim is not None, "no decode stream opened"
+            await asyncio.sleep(0.3)
+            victim.kill()
+            return await asyncio.gather(*tasks), victim
+
+    return asyncio.run(run())
+
+
 def body_for(p: list[int], n: int) -> dict:
     return {
         "model": "tiny",
@@ -149,23 +171,9 @@ def test_decode_worker_killed_mid_stream_migrates(fleet, tiny_path, reference):
     want = expected(reference, prompts, n_new)
     by_address = {dec_a.address: dec_a, dec_b.address: dec_b}
 
-    async def run():
-        async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as c:
-            tasks = [asyncio.create_task(stream_tokens(c, body_for(p, n_new))) for p in prompts]
-            victim = None
-            for _ in range(200):  # wait until streams are open, then kill their worker
-                await asyncio.sleep(0.05)
-                busy = [w for w in proxy.pool.snapshot() if w["outstanding_decodes"] > 0]
-                if busy:
-                    victim = by_address[busy[0]["address"]]
-                    break
-            assert victim is not None, "no decode stream opened"
-            await asyncio.sleep(0.3)
-            victim.kill()
-            return await asyncio.gather(*tasks), victim
-
     try:
-        results, victim = asyncio.run(run())
+        bodies = [body_for(p, n_new) for p in prompts]
+        results, victim = stream_with_a_decode_worker_killed(proxy, by_address, bodies)
         assert [e for _, e in results if e] == []
         assert [ids for ids, _ in results] == want
         text = httpx.get(proxy.url + "/metrics").text

@@ -5,7 +5,6 @@ stream is the single engine's output, valid under the schema."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -16,7 +15,11 @@ from hybrid_pd.api.constraint import Constraint
 from hybrid_pd.engine.sampling import SamplingParams
 from tests.proxy.conftest import assert_no_leaks, make_proxy
 from tests.proxy.test_failures import metric
-from tests.proxy.test_resilience import fleet, prompt, stream_tokens  # noqa: F401
+from tests.proxy.test_resilience import (  # noqa: F401
+    fleet,
+    prompt,
+    stream_with_a_decode_worker_killed,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -63,26 +66,9 @@ def test_constrained_stream_survives_its_decode_worker(fleet, tiny_path, referen
             "guided_json": SCHEMA,
         }
 
-    async def run():
-        async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as c:
-            tasks = [
-                asyncio.create_task(stream_tokens(c, body(p, *d)))
-                for p, d in zip(prompts, draws, strict=True)
-            ]
-            victim = None
-            for _ in range(200):  # wait until streams are open, then kill their worker
-                await asyncio.sleep(0.05)
-                busy = [w for w in proxy.pool.snapshot() if w["outstanding_decodes"] > 0]
-                if busy:
-                    victim = by_address[busy[0]["address"]]
-                    break
-            assert victim is not None, "no decode stream opened"
-            await asyncio.sleep(0.3)
-            victim.kill()
-            return await asyncio.gather(*tasks), victim
-
     try:
-        results, victim = asyncio.run(run())
+        bodies = [body(p, *d) for p, d in zip(prompts, draws, strict=True)]
+        results, victim = stream_with_a_decode_worker_killed(proxy, by_address, bodies)
         assert [e for _, e in results if e] == []
         assert [ids for ids, _ in results] == [w.token_ids for w in want]
         for w in want:
