@@ -46,6 +46,26 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_double,  # timeout_s
     )
     lib.hpd_wait.restype = ctypes.c_int
+    lib.hpd_all_reduce_f32.argtypes = (
+        vp,  # posted counters (rank 0's)
+        vp,  # done counters (rank 0's)
+        ctypes.c_long,  # stride (bytes)
+        ctypes.c_int,  # size
+        ctypes.c_int,  # rank
+        u32,  # call number
+        ctypes.c_int,  # whether call number - 2 exists
+        vp,  # slots
+        ctypes.c_long,  # slot bytes
+        vp,  # src
+        vp,  # dst
+        ctypes.c_long,  # count
+        vp,  # pids
+        ctypes.c_double,  # spin_us
+        ctypes.c_double,  # yield_us
+        ctypes.c_int,  # check_ms
+        ctypes.c_double,  # timeout_s
+    )
+    lib.hpd_all_reduce_f32.restype = ctypes.c_int
 
 
 def library() -> ctypes.CDLL | None:

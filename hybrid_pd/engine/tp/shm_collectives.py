@@ -158,6 +158,10 @@ class ShmCollectives:
             CHECK_MS,
             self.timeout_s,
         )
+        self._check(got, first)
+
+    def _check(self, got: int, first: int = 0) -> None:
+        """Raise for a native wait's result: rank first + got - 1 died, or (< 0) timed out."""
         if got > 0:
             lost = first + got - 1
             raise PeerLost(
@@ -191,24 +195,56 @@ class ShmCollectives:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Rank-ordered sum of `x` over the ranks (see the module's docstring); a new
-        tensor of `x`'s shape and dtype."""
+        tensor of `x`'s shape and dtype. Float32 (and bfloat16 / float16, summed in float32)
+        goes through one native call per slot-sized chunk; other dtypes through torch."""
         wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
         flat = wide.contiguous().view(-1)
         out = torch.empty_like(flat)
         step = max(1, self.slot_bytes // flat.element_size())
+        native_sum = flat.dtype == torch.float32 and flat.device.type == "cpu"
         for lo in range(0, max(1, flat.numel()), step):
             part = flat[lo : lo + step]
-            k = part.numel()
-            n = self._next_call()
-            self._slot(n, self.rank, flat.dtype, k).copy_(part)
-            self._publish(0, n)
-            self._wait(0, 0, self.size, n)
-            total = out[lo : lo + k]
-            torch.add(self._slot(n, 0, flat.dtype, k), self._slot(n, 1, flat.dtype, k), out=total)
-            for r in range(2, self.size):
-                total.add_(self._slot(n, r, flat.dtype, k))
-            self._publish(1, n)
+            if native_sum:
+                self._all_reduce_f32(part, out[lo : lo + part.numel()])
+            else:
+                self._all_reduce_torch(part, out[lo : lo + part.numel()])
         return out.view(wide.shape).to(x.dtype)
+
+    def _all_reduce_f32(self, part: torch.Tensor, total: torch.Tensor) -> None:
+        """One chunk, the whole collective in C (`hpd_all_reduce_f32`)."""
+        self._calls += 1
+        got = self._lib.hpd_all_reduce_f32(
+            self._counter(0, 0),
+            self._counter(1, 0),
+            LINE,
+            self.size,
+            self.rank,
+            self._calls & 0xFFFFFFFF,
+            int(self._calls > 2),
+            self._base + self._data_at,
+            self.slot_bytes,
+            part.data_ptr(),
+            total.data_ptr(),
+            part.numel(),
+            self._base + self._pids_at,
+            self.spin_us,
+            self.yield_us,
+            CHECK_MS,
+            self.timeout_s,
+        )
+        self._check(got)
+
+    def _all_reduce_torch(self, part: torch.Tensor, total: torch.Tensor) -> None:
+        """One chunk: slots written, summed and released from Python."""
+        k = part.numel()
+        n = self._next_call()
+        self._slot(n, self.rank, part.dtype, k).copy_(part)
+        self._publish(0, n)
+        self._wait(0, 0, self.size, n)
+        torch.add(self._slot(n, 0, part.dtype, k), self._slot(n, 1, part.dtype, k), out=total)
+        for r in range(2, self.size):
+            total.add_(self._slot(n, r, part.dtype, k))
+        self._publish(1, n)
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank, pickled through rank 0's slot; by gloo's

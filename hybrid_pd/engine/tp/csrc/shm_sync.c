@@ -142,3 +142,50 @@ int hpd_wait(char *counters, int n, long stride, uint32_t target, const int32_t 
     }
     return 0;
 }
+
+/* One all-reduce of `count` floats through the group's slots, the whole of a collective in
+ * one call: wait until every rank is done with call n - 2 (the last user of this parity's
+ * slots), copy `src` into this rank's slot, publish posted = n, wait for every rank's
+ * posted = n, sum the slots in rank order (((s0 + s1) + s2) + ...) into `dst`, publish
+ * done = n. Each element's sum is the same chain of float adds on every rank, whatever the
+ * compiler vectorizes: the same bits everywhere, and the same as adding tensors in order.
+ *
+ * wait_prev: whether call n - 2 exists (n counts from 1 and wraps modulo 2^32).
+ * posted / done: rank 0's counters (`stride` bytes apart, `size` of each); slots: the data
+ * area, slot (parity p, rank r) at ((p * size) + r) * slot_bytes; count * 4 <= slot_bytes.
+ * Returns what hpd_wait returns (0; r + 1 when rank r died; -1 on timeout). */
+int hpd_all_reduce_f32(char *posted, char *done, long stride, int size, int rank,
+                       uint32_t n, int wait_prev, char *slots, long slot_bytes,
+                       const float *src, float *dst, long count, const int32_t *pids, double spin_us,
+                       double yield_us, int check_ms, double timeout_s) {
+    int got;
+    if (wait_prev) {
+        got = hpd_wait(done, size, stride, n - 2, pids, spin_us, yield_us, check_ms, timeout_s);
+        if (got != 0)
+            return got;
+    }
+    char *base = slots + (long)(n % 2) * size * slot_bytes;
+    float *mine = (float *)(base + (long)rank * slot_bytes);
+    for (long i = 0; i < count; i++)
+        mine[i] = src[i];
+    hpd_publish((hpd_counter *)(posted + (long)rank * stride), n);
+    got = hpd_wait(posted, size, stride, n, pids, spin_us, yield_us, check_ms, timeout_s);
+    if (got != 0)
+        return got;
+    const float *s0 = (const float *)base;
+    if (size == 1) {
+        for (long i = 0; i < count; i++)
+            dst[i] = s0[i];
+    } else {
+        const float *s1 = (const float *)(base + slot_bytes);
+        for (long i = 0; i < count; i++)
+            dst[i] = s0[i] + s1[i];
+        for (int r = 2; r < size; r++) {
+            const float *sr = (const float *)(base + (long)r * slot_bytes);
+            for (long i = 0; i < count; i++)
+                dst[i] += sr[i];
+        }
+    }
+    hpd_publish((hpd_counter *)(done + (long)rank * stride), n);
+    return 0;
+}
