@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hybrid_pd.launcher.ray_auth import close_embedded_ray
 from hybrid_pd.launcher.ray_state import _actor_state, _death_cause, _node_gone, _one_line
 from hybrid_pd.launcher.serve_config import ServeConfig
 from hybrid_pd.launcher.vllm_slots import vllm_slots as _vllm_slots
@@ -120,9 +121,11 @@ class Deployment:
         saved = _own_signal_handlers()
         common = {"log_to_driver": True, "logging_level": quiet}
         if config.address is None:
+            # Ray listens on every interface whatever it is asked: a token closes it
+            if close_embedded_ray():
+                logger.info("Ray: token authentication on, with a token made for this run")
             context = ray.init(
                 address="local",  # always a new instance, even if another one runs here
-                _node_ip_address="127.0.0.1",
                 include_dashboard=False,
                 resources={"prefill": config.prefill, "decode": config.decode},
                 num_cpus=max(2, config.engine_processes),

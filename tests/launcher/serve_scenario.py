@@ -52,6 +52,15 @@ def main() -> int:
             secret = dep.config.secret
             reply = WorkerClient(dep.addresses[role][0], secret=secret, timeout_s=10).health()
             result[f"{role}_role"] = reply.role
+        # Ray listens on every interface: its GCS refuses a call without serve's token.
+        gcs = grpc.insecure_channel(ray.get_runtime_context().gcs_address)
+        probe = gcs.unary_unary("/ray.rpc.NodeInfoGcsService/GetAllNodeInfo")
+        try:
+            probe(b"", timeout=10)
+            result["ray_open"] = True
+        except grpc.RpcError as e:
+            result["ray_open"] = e.code() != grpc.StatusCode.UNAUTHENTICATED
+        gcs.close()
         stream = client.completions.create(
             model="tiny",
             prompt=prompt,

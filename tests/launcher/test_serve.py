@@ -46,6 +46,7 @@ def test_serve_embedded_ray_openai_client_and_restart(tmp_path):
     assert result["completion_ok"] and result["stream_ok"]
     # No --secret given: the workers are closed all the same.
     assert not result["prefill_open"] and not result["decode_open"], result
+    assert not result["ray_open"], "embedded Ray answered a caller without its token"
     assert (result["prefill_role"], result["decode_role"]) == ("prefill", "decode")
     assert result["restarted"] and result["after_restart_ok"]
     assert all(v == 0 for v in result["leaked"].values()), result["leaked"]
