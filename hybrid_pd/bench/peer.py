@@ -9,7 +9,8 @@ timing (`peer_vllm.timed_steps`), the same dtype, the same number of CPU threads
 same CPUs (vLLM through VLLM_CPU_OMP_THREADS_BIND, ours through torch.set_num_threads and the
 main thread's affinity), prefix caching off, and a budget that prefills the whole batch in
 one step. Between its runs the peer's processes are stopped (SIGSTOP), so vLLM's idle
-worker, which polls for work, takes no CPU from ours. Greedy token ids of the first
+worker, which polls for work, takes no CPU from ours; they run in our session, so the
+scheduler's per-session shares (autogroup) fall on both sides alike. Greedy token ids of the first
 repetition are compared."""
 
 from __future__ import annotations
