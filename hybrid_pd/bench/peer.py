@@ -9,7 +9,8 @@ timing (`peer_vllm.timed_steps`), the same dtype, the same number of CPU threads
 same CPUs (vLLM through VLLM_CPU_OMP_THREADS_BIND, ours through torch.set_num_threads and the
 main thread's affinity), prefix caching off, and a budget that prefills the whole batch in
 one step. Between its runs the peer's processes are stopped (SIGSTOP), so vLLM's idle
-worker, which polls for work, takes no CPU from ours. Greedy token ids of the first
+worker, which polls for work, takes no CPU from ours; they run in our session, so the
+scheduler's per-session shares (autogroup) fall on both sides alike. Greedy token ids of the first
 repetition are compared."""
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ class VllmPeer:
         full.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         self.rpc_dir = own_rpc_dir(full)  # removed by close()
         full.update(env)
-        full["PYTHONPATH"] = os.pathsep.join(p for p in (root, full.get("PYTHONPATH")) if p)
+        # HYBRID_PD_PEER_CPU_ISA=avx2: vLLM's own kernels held to AVX2 too (peer_site's doc)
+        site = str(Path(__file__).with_name("peer_site"))
+        site = site if full.get("HYBRID_PD_PEER_CPU_ISA") else None
+        full["PYTHONPATH"] = os.pathsep.join(p for p in (site, root, full.get("PYTHONPATH")) if p)
         self.log = tempfile.NamedTemporaryFile(  # closed in close()
             "w+", prefix="hybrid-pd-peer-vllm-", suffix=".log", delete=False
         )
@@ -108,7 +112,12 @@ class VllmPeer:
             stderr=self.log,
             env=full,
             text=True,
-            start_new_session=True,
+            # A process group of its own (stopped, continued and ended as one), in this
+            # session: Linux's autogroup scheduler shares the CPU between sessions first, so
+            # a peer in a new session got a whole share of its own while ours shared this
+            # session's with whatever else it ran (with two busy processes beside the
+            # benchmark: our prefill 31 tokens/s against vLLM's 82-105, 157 / 150 unloaded).
+            process_group=0,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._responsive = True
@@ -350,6 +359,9 @@ def bench_engine_peer(
             "torch": torch.__version__,
             "vllm": peer.info["vllm"],
             "vllm_torch": peer.info["torch"],
+            # vLLM's own C++ kernels built for AVX-512 (False: its AVX2 build, as with
+            # --peer-env HYBRID_PD_PEER_CPU_ISA=avx2 on an AVX-512 machine)
+            "vllm_kernels_avx512": peer.info.get("kernels_avx512"),
         },
         "reps": reps,
         "held_state_rows_bytes": ours.held_rows_used,

@@ -108,6 +108,8 @@ class _VllmSide:
             "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             # the CPUs this front-end process (and the engine-core process it starts) may use
             "process_cpus": sorted(os.sched_getaffinity(0)),
+            # which of vLLM's kernel builds the processor's report selects (peer_site)
+            "kernels_avx512": bool(torch.cpu._is_avx512_supported()),
         }
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Timing:

@@ -103,3 +103,57 @@ def test_flags_say_what_is_wrong(monkeypatch):
     assert parse_env(["A=1", "B=x=y"]) == {"A": "1", "B": "x=y"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         parse_env(["nope"])
+
+
+@pytest.mark.parametrize("isa", [None, "avx2"])
+def test_the_child_shares_our_session_in_a_group_of_its_own(tmp_path, monkeypatch, isa):
+    # Linux's autogroup scheduler shares the CPU between sessions: a peer in a session of its
+    # own would get a share of its own on a loaded machine while ours shares this one's
+    import os
+
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"ps -o sid=,pgid= -p $$ > {tmp_path}/ids\n"
+        f'echo "$PYTHONPATH" > {tmp_path}/pythonpath\n'
+        "exec sleep 600\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(bench_peer, "LOAD_TIMEOUT_S", 2.0)
+    procs = _record_children(monkeypatch, tmp_path)
+    env = {"HYBRID_PD_PEER_CPU_ISA": isa} if isa else {}
+    with pytest.raises(TimeoutError):
+        VllmPeer(
+            str(fake), tmp_path, "float32", max_model_len=64, max_batch=1,
+            max_batched_tokens=64, cpus=[0], env=env,
+        )  # fmt: skip
+    assert procs[0].poll() is not None
+    sid, pgid = map(int, (tmp_path / "ids").read_text().split())
+    assert sid == os.getsid(0) and pgid == procs[0].pid
+    first = (tmp_path / "pythonpath").read_text().strip().split(os.pathsep)[0]
+    site = Path(bench_peer.__file__).with_name("peer_site")
+    assert (Path(first) == site) == (isa is not None)
+
+
+def test_peer_site_reports_no_avx512_to_vllm_only_when_asked(tmp_path):
+    # what vLLM reads to pick its kernel build, in a Python started as the peer's are
+    import os
+    import subprocess
+
+    site = Path(bench_peer.__file__).with_name("peer_site")
+    probe = (
+        "import torch; print(torch.cpu._is_avx512_supported(), torch.cpu._is_amx_tile_supported())"
+    )
+    for isa, want in (("avx2", "False False"), ("", None)):
+        env = dict(os.environ, PYTHONPATH=str(site), HYBRID_PD_PEER_CPU_ISA=isa)
+        out = subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        if want is not None:
+            assert out.stdout.strip() == want
+        else:  # left alone: the processor's own answer
+            import torch
+
+            real = f"{torch.cpu._is_avx512_supported()} {torch.cpu._is_amx_tile_supported()}"
+            assert out.stdout.strip() == real

@@ -491,7 +491,14 @@ def test_norm_gate_equals_the_pytorch_norm(dtype, monkeypatch):
 
 @pytest.mark.parametrize(
     ("dtype", "inner", "group"),
-    [(torch.float32, 256, 64), (torch.bfloat16, 96, 96), (torch.float32, 40, 20)],
+    # 1,536: Granite-4.0-H-350M's one group, wider than the kernels' stack buffers
+    [
+        (torch.float32, 256, 64),
+        (torch.bfloat16, 96, 96),
+        (torch.float32, 40, 20),
+        (torch.float32, 1536, 1536),
+        (torch.bfloat16, 3072, 1536),
+    ],
 )
 def test_gate_norm_equals_mamba2s_pytorch_norm(dtype, inner, group, monkeypatch):
     from hybrid_pd.engine.models.mamba2 import GatedRMSNorm

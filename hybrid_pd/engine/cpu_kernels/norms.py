@@ -96,7 +96,7 @@ def gate_norm(
         split_threads(tokens, tokens * inner, ROWS_SPLIT_MIN),
     )  # fmt: skip
     if code:
-        return None  # a group the kernel does not take (over 1,024 channels)
+        return None  # a group that does not divide the channels
     return out
 
 
