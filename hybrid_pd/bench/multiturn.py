@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_pd.bench.completions import StreamError, _ms, _progress, _prompt, completion_chunks
-from hybrid_pd.bench.service import worker_kv_check
+from hybrid_pd.bench.service import start_proxy, worker_kv_check
 
 #: setup -> (decode-side prefix reuse on, the proxy's kv_routing policy)
 SETUPS: dict[str, tuple[bool, str]] = {
@@ -175,8 +175,6 @@ def _run_setup(
 ) -> dict:
     import httpx
 
-    from hybrid_pd.proxy.config import ProxyConfig
-    from hybrid_pd.proxy.server import ProxyHandle
     from hybrid_pd.proxy.worker_client import WorkerClient
 
     reuse, policy = SETUPS[setup]
@@ -190,16 +188,10 @@ def _run_setup(
     proxy = watch = None
     conversations, turns = len(users), len(users[0]) if users else 0
     try:
-        config = ProxyConfig(
-            served_model_names=(model_name,),
-            model_path=str(path),
-            port=0,
-            prefill_addresses=tuple(w.address for w in prefill),
-            decode_addresses=tuple(w.address for w in decode),
-            min_prefill_tokens=1,  # every turn is handed over from a prefill worker
-            kv_routing=policy,
+        # min_prefill_tokens 1: every turn is handed over from a prefill worker.
+        proxy = start_proxy(
+            model_name, path, prefill, decode, min_prefill_tokens=1, kv_routing=policy
         )
-        proxy = ProxyHandle(config, port=0).start()
         addresses = [w.address for w in decode]
         access = logging.getLogger("hybrid_pd.access")
         watch = _AccessWatch()

@@ -24,7 +24,7 @@ from typing import Any
 
 from hybrid_pd.bench.completions import _prompt, completion_chunks
 from hybrid_pd.bench.multiturn import _start
-from hybrid_pd.bench.service import worker_kv_check
+from hybrid_pd.bench.service import start_proxy, worker_kv_check
 
 MODES = ("off", "on")
 
@@ -83,8 +83,6 @@ def bench_overlap(
     import httpx
 
     from hybrid_pd.engine.tiny import resolve_model
-    from hybrid_pd.proxy.config import ProxyConfig
-    from hybrid_pd.proxy.server import ProxyHandle
     from hybrid_pd.proxy.worker_client import WorkerClient
 
     if min(prompt_len, chunk, reps, concurrency) < 1 or max_tokens < 2:
@@ -101,16 +99,10 @@ def bench_overlap(
     try:
         workers += _start([("decode", [*common, "--peer", prefill.address])], env)
         for mode in MODES:
-            config = ProxyConfig(
-                served_model_names=("m",),
-                model_path=str(path),
-                port=0,
-                prefill_addresses=(prefill.address,),
-                decode_addresses=(workers[1].address,),
-                min_prefill_tokens=1,
+            proxies[mode] = start_proxy(
+                "m", path, [prefill], workers[1:2], min_prefill_tokens=1,
                 overlap_transfer=mode == "on",
-            )
-            proxies[mode] = ProxyHandle(config, port=0).start()
+            )  # fmt: skip
         runs = []
         timeout = httpx.Timeout(3600.0, connect=10.0)
         order = [(r, m) for r in range(reps) for m in (MODES if r % 2 == 0 else MODES[::-1])]

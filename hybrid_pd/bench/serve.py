@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.bench.completions import _prompt, print_rows, run_level
-from hybrid_pd.bench.service import NEVER, _routes, _start_workers, worker_kv_check
+from hybrid_pd.bench.completions import _prompt, level_columns, print_rows, run_level
+from hybrid_pd.bench.service import NEVER, _routes, _start_workers, start_proxy, worker_kv_check
 
 SETUPS = ("pd", "aggregated")
 
@@ -67,23 +67,16 @@ def _run_setup(
     budget_s: float,
     progress: bool,
 ) -> dict:
-    from hybrid_pd.proxy.config import ProxyConfig
-    from hybrid_pd.proxy.server import ProxyHandle
 
     workers = _start_workers(["prefill", "decode"] if setup == "pd" else ["both"], worker_args, env)
     proxy = None
     try:
         # P/D: every prompt takes the prefill worker. Aggregated: its one worker is in both
         # pools but no prompt reaches min_prefill_tokens, so each runs wholly on it.
-        config = ProxyConfig(
-            served_model_names=(model_name,),
-            model_path=str(path),
-            port=0,
-            prefill_addresses=(workers[0].address,),
-            decode_addresses=(workers[-1].address,),
+        proxy = start_proxy(
+            model_name, path, workers[:1], workers[-1:],
             min_prefill_tokens=1 if setup == "pd" else NEVER,
-        )
-        proxy = ProxyHandle(config, port=0).start()
+        )  # fmt: skip
         # Warm-up (not measured): the first forward passes of a fresh process are slow.
         w = run_level(
             proxy.url,
@@ -240,19 +233,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        cols = {
-            "concurrency": "conc",
-            "completed": "done",
-            "errors": "err",
-            "output_tokens_per_s": "tok/s",
-            "requests_per_s": "req/s",
-            "ttft_ms_p50": "TTFT p50 ms",
-            "ttft_ms_p90": "TTFT p90",
-            "itl_ms_p50": "ITL p50",
-            "itl_ms_p90": "ITL p90",
-            "e2e_ms_p50": "e2e p50",
-            "e2e_ms_p90": "e2e p90",
-        }
+        cols = level_columns("output_tokens_per_request")
         for setup, rows in result["setups"].items():
             print_rows(f"{setup} (routes {result['routes'][setup]}):", cols, rows)
         for r in result["ratios"]:

@@ -26,6 +26,25 @@ def _start_workers(roles: list[str], args: list[str], env: dict | None) -> list:
     return started
 
 
+def start_proxy(
+    model_name: str, path: object, prefill: list, decode: list, **settings: object
+) -> object:
+    """A started proxy (`ProxyHandle`, on a free port) serving `model_name` (the checkpoint at
+    `path`) from the `prefill` and `decode` workers; `settings`: other `ProxyConfig` fields."""
+    from hybrid_pd.proxy.config import ProxyConfig
+    from hybrid_pd.proxy.server import ProxyHandle
+
+    config = ProxyConfig(
+        served_model_names=(model_name,),
+        model_path=str(path),
+        port=0,
+        prefill_addresses=tuple(w.address for w in prefill),
+        decode_addresses=tuple(w.address for w in decode),
+        **settings,
+    )
+    return ProxyHandle(config, port=0).start()
+
+
 def worker_kv_check(workers: list, timeout: float = 10.0) -> list[dict]:
     """Each worker's KV state once idle (or at `timeout`): no blocks held, no leases."""
     from hybrid_pd.proxy.worker_client import WorkerClient

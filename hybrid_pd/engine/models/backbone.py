@@ -56,15 +56,15 @@ class RopeBackbone(nn.Module):
 
 class RopeCausalLM(nn.Module):
     """A causal LM over a `RopeBackbone`: ``model`` and, unless the embedding is tied,
-    ``lm_head``. `settings` carries vocab, hidden, tie, rope and head_dim; `tables` makes the
-    RoPE tables its layers take."""
+    ``lm_head``. `settings` carries vocab, hidden, tie, rope, head_dim and one spec per layer
+    (`specs`); layer i is `layer(settings, i)`; `tables` makes the RoPE tables its layers
+    take."""
 
     def __init__(
         self,
         config: dict,
         settings,
-        num_layers: int,
-        make_layer: Callable[[int], nn.Module],
+        layer: Callable[..., nn.Module],
         make_norm: Callable[[], nn.Module],
         tables: RopeTables,
     ) -> None:
@@ -72,7 +72,13 @@ class RopeCausalLM(nn.Module):
         self.settings = s = settings
         self.config = config
         self.model = RopeBackbone(
-            s.vocab, s.hidden, num_layers, make_layer, make_norm, s.rope, s.head_dim
+            s.vocab,
+            s.hidden,
+            len(s.specs),
+            lambda i: layer(s, i),
+            make_norm,
+            s.rope,
+            s.head_dim,
         )
         self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
         self._tables = tables

@@ -173,14 +173,7 @@ class GptOssForCausalLM(RopeCausalLM):
 
     def __init__(self, config: dict) -> None:
         s = _Settings(config)
-        super().__init__(
-            config,
-            s,
-            len(s.specs),
-            lambda i: DecoderLayer(s, i),
-            lambda: RMSNorm(s.hidden, s.eps),
-            cos_sin,
-        )
+        super().__init__(config, s, DecoderLayer, lambda: RMSNorm(s.hidden, s.eps), cos_sin)
 
     def convert(self, key: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]):
         if key.endswith(_QUANTIZED_SUFFIXES):

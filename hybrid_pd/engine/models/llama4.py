@@ -284,8 +284,7 @@ class Llama4ForCausalLM(RopeCausalLM):
         super().__init__(
             config,
             s,
-            len(s.specs),
-            lambda i: DecoderLayer(s, i),
+            DecoderLayer,
             lambda: RMSNorm(s.hidden, s.eps, scale_after_cast=True),
             _pair_tables,
         )
