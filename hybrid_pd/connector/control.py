@@ -25,6 +25,7 @@ import grpc
 from hybrid_pd.connector import timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import GroupGeometry, KVLayout
+from hybrid_pd.connector.prefill_stage import PullOrder
 from hybrid_pd.connector.watch import until
 from hybrid_pd.kvcache.ids import EngineId, RequestId
 from hybrid_pd.kvcache.tp_layout import SlotRows
@@ -267,9 +268,10 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         try:
             if not request.stage_epoch and hasattr(self.prefill.transport, "send_future"):
                 # posted from this loop and awaited here: no send thread to wake
-                res = await self.prefill.pull_async(
+                order = PullOrder(
                     rid, request.transfer_token, skip=list(request.skip_blocks), **what
                 )
+                res = await self.prefill.pull_async(order)
             else:
                 res = await asyncio.get_running_loop().run_in_executor(
                     self._sends, lambda: send(**what)
