@@ -12,6 +12,7 @@ from google.protobuf.message import Message
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import TokenLogprob
 from hybrid_pd.api.wire import logprob_from_pb
+from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 
@@ -55,7 +56,7 @@ class WorkerClient:
 
     def prefill(
         self,
-        request_id: str,
+        request_id: RequestId,
         prompt_ids: list[int],
         sampling: pb.Sampling,
         timeout_s: float | None = None,
@@ -66,7 +67,7 @@ class WorkerClient:
 
     def prefill_future(
         self,
-        request_id: str,
+        request_id: RequestId,
         prompt_ids: list[int],
         sampling: pb.Sampling,
         timeout_s: float | None = None,
@@ -80,7 +81,7 @@ class WorkerClient:
 
     def generate_stream(
         self,
-        request_id: str,
+        request_id: RequestId,
         prompt_ids: list[int],
         sampling: pb.Sampling,
         kv_transfer_params: KVTransferParams | None = None,
@@ -112,7 +113,7 @@ class WorkerClient:
         return out
 
     def abort(
-        self, request_id: str, timeout_s: float | None = None, transfer_token: str = ""
+        self, request_id: RequestId, timeout_s: float | None = None, transfer_token: str = ""
     ) -> bool:
         request = pb.AbortRequest(request_id=request_id, transfer_token=transfer_token)
         return self._call(self._stub.Abort, request, timeout_s).ok
@@ -169,7 +170,7 @@ def _scalars(msg: Message) -> dict:
 
 
 def _prefill_request(
-    request_id: str, prompt_ids: list[int], sampling: pb.Sampling, transfer_token: str
+    request_id: RequestId, prompt_ids: list[int], sampling: pb.Sampling, transfer_token: str
 ) -> pb.PrefillRequest:
     return pb.PrefillRequest(
         request_id=request_id,
