@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from hybrid_pd.api.wire import same_named
 from hybrid_pd.kvcache.ids import EngineId, RequestId
 from hybrid_pd.proto import worker_pb2 as pb
 
@@ -134,7 +135,7 @@ class KVTransferParams:
     def to_pb(self) -> pb.KVTransferParams:
         return pb.KVTransferParams(
             block_ids=[pb.BlockIds(ids=g) for g in self.block_ids],
-            **{name: getattr(self, name) for name in _AS_IS},
+            **same_named(self, _AS_IS),
         )
 
     @classmethod
@@ -142,7 +143,7 @@ class KVTransferParams:
         """Parse and validate the proto message; raises ValueError naming the bad field."""
         return cls(
             block_ids=tuple(tuple(g.ids) for g in msg.block_ids),
-            **{name: getattr(msg, name) for name in _AS_IS},
+            **same_named(msg, _AS_IS),
         ).validated()
 
     def validated(self) -> KVTransferParams:

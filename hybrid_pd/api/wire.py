@@ -14,8 +14,9 @@ from hybrid_pd.proto import worker_pb2 as pb
 _CARD_AS_IS = ("model", "path", "architecture", "max_model_len")
 
 
-def _as_is(source: Any, names: tuple[str, ...]) -> dict[str, Any]:
-    """`source`'s fields `names`, as keyword arguments of the other side's type."""
+def same_named(source: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """`source`'s fields `names`, as keyword arguments of the other side's type (a dataclass
+    and its proto message that name those fields alike and hold them in the same form)."""
     return {n: getattr(source, n) for n in names}
 
 
@@ -80,7 +81,7 @@ def logprob_from_pb(msg: pb.TokenLogprob) -> TokenLogprob | None:
 
 def card_to_pb(card: ModelCard) -> pb.ModelCard:
     return pb.ModelCard(
-        **_as_is(card, _CARD_AS_IS),
+        **same_named(card, _CARD_AS_IS),
         vocab_size=card.vocab_size or 0,
         eos_token_ids=list(card.eos_token_ids),
         identity=pb.ModelIdentity(**asdict(card.identity)),
@@ -90,7 +91,7 @@ def card_to_pb(card: ModelCard) -> pb.ModelCard:
 def card_from_pb(msg: pb.ModelCard) -> ModelCard:
     identity = msg.identity
     return ModelCard(
-        **_as_is(msg, _CARD_AS_IS),
+        **same_named(msg, _CARD_AS_IS),
         vocab_size=msg.vocab_size or None,
         eos_token_ids=tuple(msg.eos_token_ids),
         identity=ModelIdentity(identity.architecture, identity.parameters, identity.weights),
