@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_pd.bench.completions import StreamError, _ms, _progress, _prompt, completion_chunks
-from hybrid_pd.bench.service import start_proxy, worker_kv_check
+from hybrid_pd.bench.service import BenchModel, start_proxy, worker_kv_check
 
 #: setup -> (decode-side prefix reuse on, the proxy's kv_routing policy)
 SETUPS: dict[str, tuple[bool, str]] = {
@@ -329,7 +329,6 @@ def bench_multiturn(
     env: dict[str, str] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    from hybrid_pd.engine.tiny import resolve_model
 
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
@@ -343,17 +342,15 @@ def bench_multiturn(
     ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    path = resolve_model(model)
-    model_name = model if model == "tiny" else Path(model).name
-    cfg = json.loads((path / "config.json").read_text())
-    vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
+    m = BenchModel.resolve(model)
+    path, model_name, vocab = m.path, m.name, m.vocab
     system = _prompt("system", system_len, vocab)
     users = [
         [_prompt(f"user-{c}-{t}", user_len, vocab) for t in range(turns)]
         for c in range(conversations)
     ]
     warm = [_prompt(f"warmup-{i}", max(system_len // 4, 16), vocab) for i in range(decode_workers)]
-    args = ["--model", str(path), "--kv-memory", kv_memory, "--threads", str(threads)]
+    args = m.worker_args(kv_memory, threads)
     result: dict[str, Any] = {
         "config": {
             "model": model,

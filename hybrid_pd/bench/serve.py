@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from hybrid_pd.bench.completions import _prompt, level_columns, print_rows, run_level
-from hybrid_pd.bench.service import NEVER, _routes, _start_workers, start_proxy, worker_kv_check
+from hybrid_pd.bench.service import (
+    NEVER,
+    BenchModel,
+    _routes,
+    _start_workers,
+    start_proxy,
+    worker_kv_check,
+)
 
 SETUPS = ("pd", "aggregated")
 
@@ -129,15 +136,12 @@ def bench_serve(
     env: dict[str, str] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    from hybrid_pd.engine.tiny import resolve_model
 
-    path = resolve_model(model)
-    model_name = model if model == "tiny" else Path(model).name
-    cfg = json.loads((path / "config.json").read_text())
-    vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
+    m = BenchModel.resolve(model)
+    path, model_name, vocab = m.path, m.name, m.vocab
     levels = list(concurrency)
     prompts = {c: [_prompt(f"{c}-{i}", prompt_len, vocab) for i in range(requests)] for c in levels}
-    args = ["--model", str(path), "--kv-memory", kv_memory, "--threads", str(threads)]
+    args = m.worker_args(kv_memory, threads)
     result: dict[str, Any] = {
         "model": model,
         "prompt_len": prompt_len,

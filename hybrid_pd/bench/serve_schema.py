@@ -17,15 +17,19 @@ Per level, the figures are medians over the repetitions, and:
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 from hybrid_pd.bench.completions import _prompt, level_columns, print_rows, run_level
 from hybrid_pd.bench.serve_peer import _median_rows
-from hybrid_pd.bench.service import _routes, _start_workers, start_proxy, worker_kv_check
+from hybrid_pd.bench.service import (
+    BenchModel,
+    _routes,
+    _start_workers,
+    start_proxy,
+    worker_kv_check,
+)
 
 VARIANTS = ("plain", "schema")
 
@@ -50,17 +54,14 @@ def bench_serve_schema(
 ) -> dict[str, Any]:
     """Plain next to schema-constrained load on one P/D fleet (see the module's doc).
     `max_seconds`: the whole measured load; no request starts after it."""
-    from hybrid_pd.engine.tiny import resolve_model
 
     if reps < 1:
         raise ValueError("--reps must be at least 1")
-    path = resolve_model(model)
-    model_name = model if model == "tiny" else Path(model).name
-    cfg = json.loads((path / "config.json").read_text())
-    vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
+    m = BenchModel.resolve(model)
+    path, model_name, vocab = m.path, m.name, m.vocab
     levels = list(concurrency)
     extra = {"plain": None, "schema": {"guided_json": schema}}
-    args = ["--model", str(path), "--kv-memory", kv_memory, "--threads", str(threads)]
+    args = m.worker_args(kv_memory, threads)
     workers = _start_workers(["prefill", "decode"], args, env)
     proxy = None
     try:

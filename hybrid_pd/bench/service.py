@@ -4,12 +4,39 @@ took, read from its /metrics."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 #: The aggregated proxy never disaggregates: no prompt is this long.
 NEVER = 10**9
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A serving benchmark's model: its checkpoint folder, the name clients ask for (`tiny`
+    or the folder's name) and its vocabulary size (prompts are random ids below it)."""
+
+    path: Path
+    name: str
+    vocab: int
+
+    @classmethod
+    def resolve(cls, model: str) -> BenchModel:
+        """`tiny` (made if missing) or a checkpoint folder."""
+        from hybrid_pd.engine.tiny import resolve_model
+
+        path = resolve_model(model)
+        cfg = json.loads((path / "config.json").read_text())
+        vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
+        return cls(path, model if model == "tiny" else Path(model).name, vocab)
+
+    def worker_args(self, kv_memory: str, threads: int) -> list[str]:
+        """The worker process's flags for this model, its KV memory and torch threads."""
+        return ["--model", str(self.path), "--kv-memory", kv_memory, "--threads", str(threads)]
 
 
 def _start_workers(roles: list[str], args: list[str], env: dict | None) -> list:
