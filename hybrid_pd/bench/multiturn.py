@@ -18,7 +18,6 @@ import logging
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from hybrid_pd.bench.completions import StreamError, _ms, _progress, _prompt, completion_chunks
@@ -160,8 +159,7 @@ def _start(specs: list[tuple[str, list[str]]], env: dict | None) -> list:
 
 def _run_setup(
     setup: str,
-    path: Path,
-    model_name: str,
+    m: BenchModel,
     worker_args: list[str],
     env: dict | None,
     prefill_workers: int,
@@ -190,7 +188,7 @@ def _run_setup(
     try:
         # min_prefill_tokens 1: every turn is handed over from a prefill worker.
         proxy = start_proxy(
-            model_name, path, prefill, decode, min_prefill_tokens=1, kv_routing=policy
+            m.name, m.path, prefill, decode, min_prefill_tokens=1, kv_routing=policy
         )
         addresses = [w.address for w in decode]
         access = logging.getLogger("hybrid_pd.access")
@@ -210,7 +208,7 @@ def _run_setup(
 
             def send(prompt: list[int]) -> dict:
                 body = {
-                    "model": model_name,
+                    "model": m.name,
                     "prompt": prompt,
                     "max_tokens": max_tokens,
                     "temperature": 0,
@@ -343,7 +341,7 @@ def bench_multiturn(
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     m = BenchModel.resolve(model)
-    path, model_name, vocab = m.path, m.name, m.vocab
+    vocab = m.vocab
     system = _prompt("system", system_len, vocab)
     users = [
         [_prompt(f"user-{c}-{t}", user_len, vocab) for t in range(turns)]
@@ -373,8 +371,7 @@ def bench_multiturn(
         budget = max(0.0, max_seconds - spent) / (len(setups) - k)
         out = _run_setup(
             setup,
-            path,
-            model_name,
+            m,
             args,
             env,
             prefill_workers,

@@ -63,8 +63,7 @@ def add_serve_parser(bsub: argparse._SubParsersAction) -> None:
 
 def _run_setup(
     setup: str,
-    path: Path,
-    model_name: str,
+    m: BenchModel,
     worker_args: list[str],
     env: dict | None,
     levels: list[int],
@@ -81,13 +80,13 @@ def _run_setup(
         # P/D: every prompt takes the prefill worker. Aggregated: its one worker is in both
         # pools but no prompt reaches min_prefill_tokens, so each runs wholly on it.
         proxy = start_proxy(
-            model_name, path, workers[:1], workers[-1:],
+            m.name, m.path, workers[:1], workers[-1:],
             min_prefill_tokens=1 if setup == "pd" else NEVER,
         )  # fmt: skip
         # Warm-up (not measured): the first forward passes of a fresh process are slow.
         w = run_level(
             proxy.url,
-            model_name,
+            m.name,
             [warm],
             max_tokens,
             1,
@@ -101,7 +100,7 @@ def _run_setup(
         rows = [
             run_level(
                 proxy.url,
-                model_name,
+                m.name,
                 prompts[c],
                 max_tokens,
                 c,
@@ -138,7 +137,7 @@ def bench_serve(
 ) -> dict[str, Any]:
 
     m = BenchModel.resolve(model)
-    path, model_name, vocab = m.path, m.name, m.vocab
+    vocab = m.vocab
     levels = list(concurrency)
     prompts = {c: [_prompt(f"{c}-{i}", prompt_len, vocab) for i in range(requests)] for c in levels}
     args = m.worker_args(kv_memory, threads)
@@ -156,9 +155,7 @@ def bench_serve(
     for k, setup in enumerate(SETUPS):
         budget = max_seconds / 2 if k == 0 else max(0.0, max_seconds - spent)
         warm = _prompt(f"warmup-{setup}", prompt_len, vocab)
-        out = _run_setup(
-            setup, path, model_name, args, env, levels, prompts, warm, max_tokens, budget, progress
-        )
+        out = _run_setup(setup, m, args, env, levels, prompts, warm, max_tokens, budget, progress)
         spent += out["used_s"]
         result["setups"][setup] = out["rows"]
         result["routes"][setup] = out["routes"]

@@ -54,17 +54,6 @@ class WorkerClient:
         (`timeout_s`, else its default) and secret."""
         return rpc(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
 
-    def prefill(
-        self,
-        request_id: RequestId,
-        prompt_ids: list[int],
-        sampling: pb.Sampling,
-        timeout_s: float | None = None,
-        transfer_token: str = "",
-    ) -> PrefillResult:
-        request = _prefill_request(request_id, prompt_ids, sampling, transfer_token)
-        return prefill_result(self._call(self._stub.Prefill, request, timeout_s))
-
     def prefill_future(
         self,
         request_id: RequestId,
@@ -78,6 +67,11 @@ class WorkerClient:
         `transfer_token`: a decode worker showing it may follow the prefill (overlap)."""
         request = _prefill_request(request_id, prompt_ids, sampling, transfer_token)
         return self._call(self._stub.Prefill.future, request, timeout_s)
+
+    def prefill(self, *args: Any, **kwargs: Any) -> PrefillResult:
+        """`prefill_future`'s call (the same arguments), waited for: its parsed reply. An
+        RPC error raises as the blocking call's would (a grpc.RpcError with its code)."""
+        return prefill_result(self.prefill_future(*args, **kwargs).result())
 
     def generate_stream(
         self,
