@@ -11,9 +11,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from hybrid_pd.api.wire import same_named
+from hybrid_pd.kvcache.ids import EngineId, RequestId
 from hybrid_pd.proto import worker_pb2 as pb
 
 #: Fields that must be non-empty strings.
@@ -38,14 +40,14 @@ def _optional(d: dict, name: str, types, default):
 
 @dataclass(frozen=True)
 class KVTransferParams:
-    request_id: str
+    request_id: RequestId
     #: Per KV cache group, the prefill worker's block ids decode needs (null blocks dropped):
     #: every block for full attention, the last window's blocks for sliding window, the
     #: state page(s) for Mamba/GDN. A group may be empty (nothing of it to ship).
     block_ids: tuple[tuple[int, ...], ...]
     prompt_len: int
     first_token: int
-    engine_id: str
+    engine_id: EngineId
     control_address: str
     fingerprint: str
     transfer_token: str
@@ -64,7 +66,7 @@ class KVTransferParams:
     @classmethod
     def for_staging(
         cls,
-        request_id: str,
+        request_id: RequestId,
         prompt_ids: Sequence[int],
         control_address: str,
         transfer_token: str,
@@ -75,7 +77,7 @@ class KVTransferParams:
             block_ids=(),
             prompt_len=len(prompt_ids),
             first_token=0,
-            engine_id="",
+            engine_id=EngineId(""),
             control_address=control_address,
             fingerprint="",
             transfer_token=transfer_token,
@@ -87,7 +89,7 @@ class KVTransferParams:
         self,
         block_ids: Sequence[Sequence[int]],
         first_token: int,
-        engine_id: str,
+        engine_id: EngineId,
         fingerprint: str,
     ) -> KVTransferParams:
         """The params once the prefill ended and kept its KV (validated)."""
@@ -123,14 +125,8 @@ class KVTransferParams:
         ):
             raise ValueError("kv_transfer_params.block_ids must be a list of lists of block ids")
         return cls(
-            request_id=d["request_id"],
             block_ids=tuple(tuple(g) for g in groups),
-            prompt_len=d["prompt_len"],
-            first_token=d["first_token"],
-            engine_id=d["engine_id"],
-            control_address=d["control_address"],
-            fingerprint=d["fingerprint"],
-            transfer_token=d["transfer_token"],
+            **{name: d[name] for name in (*_STRINGS, *_INTS)},
             prompt_digest=d["prompt_digest"] if isinstance(d.get("prompt_digest"), str) else "",
             expires_at=_optional(d, "expires_at", (int, float), 0.0),
             signature=_optional(d, "signature", str, ""),
@@ -138,36 +134,16 @@ class KVTransferParams:
 
     def to_pb(self) -> pb.KVTransferParams:
         return pb.KVTransferParams(
-            request_id=self.request_id,
             block_ids=[pb.BlockIds(ids=g) for g in self.block_ids],
-            prompt_len=self.prompt_len,
-            first_token=self.first_token,
-            engine_id=self.engine_id,
-            control_address=self.control_address,
-            fingerprint=self.fingerprint,
-            transfer_token=self.transfer_token,
-            prompt_digest=self.prompt_digest,
-            staged=self.staged,
-            expires_at=self.expires_at,
-            signature=self.signature,
+            **same_named(self, _AS_IS),
         )
 
     @classmethod
     def from_pb(cls, msg: pb.KVTransferParams) -> KVTransferParams:
         """Parse and validate the proto message; raises ValueError naming the bad field."""
         return cls(
-            request_id=msg.request_id,
             block_ids=tuple(tuple(g.ids) for g in msg.block_ids),
-            prompt_len=msg.prompt_len,
-            first_token=msg.first_token,
-            engine_id=msg.engine_id,
-            control_address=msg.control_address,
-            fingerprint=msg.fingerprint,
-            transfer_token=msg.transfer_token,
-            prompt_digest=msg.prompt_digest,
-            staged=msg.staged,
-            expires_at=msg.expires_at,
-            signature=msg.signature,
+            **same_named(msg, _AS_IS),
         ).validated()
 
     def validated(self) -> KVTransferParams:
@@ -195,3 +171,7 @@ class KVTransferParams:
     @property
     def num_blocks(self) -> int:
         return sum(len(g) for g in self.block_ids)
+
+
+#: Every field but `block_ids` (nested): the proto message carries each under its name.
+_AS_IS = tuple(f.name for f in fields(KVTransferParams) if f.name != "block_ids")

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from typing import Any
+
 from hybrid_pd.api.card import ModelCard, ModelIdentity
 from hybrid_pd.api.constraint import Constraint
 from hybrid_pd.api.sampling import SamplingParams, TokenLogprob
 from hybrid_pd.proto import worker_pb2 as pb
+
+#: ModelCard fields the proto message carries under the same name and form.
+_CARD_AS_IS = ("model", "path", "architecture", "max_model_len")
+
+
+def same_named(source: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """`source`'s fields `names`, as keyword arguments of the other side's type (a dataclass
+    and its proto message that name those fields alike and hold them in the same form)."""
+    return {n: getattr(source, n) for n in names}
 
 
 def sampling_from_pb(msg: pb.Sampling) -> SamplingParams:
@@ -69,31 +81,18 @@ def logprob_from_pb(msg: pb.TokenLogprob) -> TokenLogprob | None:
 
 def card_to_pb(card: ModelCard) -> pb.ModelCard:
     return pb.ModelCard(
-        model=card.model,
-        path=card.path,
-        architecture=card.architecture,
-        max_model_len=card.max_model_len,
+        **same_named(card, _CARD_AS_IS),
         vocab_size=card.vocab_size or 0,
         eos_token_ids=list(card.eos_token_ids),
-        identity=pb.ModelIdentity(
-            architecture=card.identity.architecture,
-            parameters=card.identity.parameters,
-            weights=card.identity.weights,
-        ),
+        identity=pb.ModelIdentity(**asdict(card.identity)),
     )
 
 
 def card_from_pb(msg: pb.ModelCard) -> ModelCard:
+    identity = msg.identity
     return ModelCard(
-        model=msg.model,
-        path=msg.path,
-        architecture=msg.architecture,
-        max_model_len=msg.max_model_len,
+        **same_named(msg, _CARD_AS_IS),
         vocab_size=msg.vocab_size or None,
         eos_token_ids=tuple(msg.eos_token_ids),
-        identity=ModelIdentity(
-            architecture=msg.identity.architecture,
-            parameters=msg.identity.parameters,
-            weights=msg.identity.weights,
-        ),
+        identity=ModelIdentity(identity.architecture, identity.parameters, identity.weights),
     )

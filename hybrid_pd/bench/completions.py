@@ -197,6 +197,28 @@ def run_level(
     return row
 
 
+#: Column headings of `run_level`'s row keys, in table order; a table takes those it shows.
+LEVEL_COLUMNS = {
+    "concurrency": "conc",
+    "completed": "done",
+    "errors": "err",
+    "output_tokens_per_request": "tok/req",
+    "output_tokens_per_s": "tok/s",
+    "requests_per_s": "req/s",
+    "ttft_ms_p50": "TTFT p50 ms",
+    "ttft_ms_p90": "TTFT p90",
+    "itl_ms_p50": "ITL p50",
+    "itl_ms_p90": "ITL p90",
+    "e2e_ms_p50": "e2e p50",
+    "e2e_ms_p90": "e2e p90",
+}
+
+
+def level_columns(*skip: str) -> dict[str, str]:
+    """`LEVEL_COLUMNS` less the keys in `skip`, for `print_rows`."""
+    return {k: v for k, v in LEVEL_COLUMNS.items() if k not in skip}
+
+
 def print_rows(title: str, cols: dict[str, str], rows: list[dict]) -> None:
     """A titled table of result rows: `cols` maps a row's key to its column heading ("-"
     where a row has no value)."""

@@ -18,11 +18,10 @@ import logging
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from hybrid_pd.bench.completions import StreamError, _ms, _progress, _prompt, completion_chunks
-from hybrid_pd.bench.service import worker_kv_check
+from hybrid_pd.bench.service import BenchModel, start_proxy, worker_kv_check
 
 #: setup -> (decode-side prefix reuse on, the proxy's kv_routing policy)
 SETUPS: dict[str, tuple[bool, str]] = {
@@ -160,8 +159,7 @@ def _start(specs: list[tuple[str, list[str]]], env: dict | None) -> list:
 
 def _run_setup(
     setup: str,
-    path: Path,
-    model_name: str,
+    m: BenchModel,
     worker_args: list[str],
     env: dict | None,
     prefill_workers: int,
@@ -175,8 +173,6 @@ def _run_setup(
 ) -> dict:
     import httpx
 
-    from hybrid_pd.proxy.config import ProxyConfig
-    from hybrid_pd.proxy.server import ProxyHandle
     from hybrid_pd.proxy.worker_client import WorkerClient
 
     reuse, policy = SETUPS[setup]
@@ -190,16 +186,10 @@ def _run_setup(
     proxy = watch = None
     conversations, turns = len(users), len(users[0]) if users else 0
     try:
-        config = ProxyConfig(
-            served_model_names=(model_name,),
-            model_path=str(path),
-            port=0,
-            prefill_addresses=tuple(w.address for w in prefill),
-            decode_addresses=tuple(w.address for w in decode),
-            min_prefill_tokens=1,  # every turn is handed over from a prefill worker
-            kv_routing=policy,
+        # min_prefill_tokens 1: every turn is handed over from a prefill worker.
+        proxy = start_proxy(
+            m.name, m.path, prefill, decode, min_prefill_tokens=1, kv_routing=policy
         )
-        proxy = ProxyHandle(config, port=0).start()
         addresses = [w.address for w in decode]
         access = logging.getLogger("hybrid_pd.access")
         watch = _AccessWatch()
@@ -218,7 +208,7 @@ def _run_setup(
 
             def send(prompt: list[int]) -> dict:
                 body = {
-                    "model": model_name,
+                    "model": m.name,
                     "prompt": prompt,
                     "max_tokens": max_tokens,
                     "temperature": 0,
@@ -337,7 +327,6 @@ def bench_multiturn(
     env: dict[str, str] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    from hybrid_pd.engine.tiny import resolve_model
 
     unknown = [s for s in setups if s not in SETUPS]
     if unknown:
@@ -351,17 +340,15 @@ def bench_multiturn(
     ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    path = resolve_model(model)
-    model_name = model if model == "tiny" else Path(model).name
-    cfg = json.loads((path / "config.json").read_text())
-    vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
+    m = BenchModel.resolve(model)
+    vocab = m.vocab
     system = _prompt("system", system_len, vocab)
     users = [
         [_prompt(f"user-{c}-{t}", user_len, vocab) for t in range(turns)]
         for c in range(conversations)
     ]
     warm = [_prompt(f"warmup-{i}", max(system_len // 4, 16), vocab) for i in range(decode_workers)]
-    args = ["--model", str(path), "--kv-memory", kv_memory, "--threads", str(threads)]
+    args = m.worker_args(kv_memory, threads)
     result: dict[str, Any] = {
         "config": {
             "model": model,
@@ -384,8 +371,7 @@ def bench_multiturn(
         budget = max(0.0, max_seconds - spent) / (len(setups) - k)
         out = _run_setup(
             setup,
-            path,
-            model_name,
+            m,
             args,
             env,
             prefill_workers,

@@ -19,12 +19,11 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from hybrid_pd.bench.completions import _prompt, completion_chunks
 from hybrid_pd.bench.multiturn import _start
-from hybrid_pd.bench.service import worker_kv_check
+from hybrid_pd.bench.service import BenchModel, start_proxy, worker_kv_check
 
 MODES = ("off", "on")
 
@@ -82,17 +81,13 @@ def bench_overlap(
     """The runs and their medians (see the module's docstring); `env`: the workers'."""
     import httpx
 
-    from hybrid_pd.engine.tiny import resolve_model
-    from hybrid_pd.proxy.config import ProxyConfig
-    from hybrid_pd.proxy.server import ProxyHandle
     from hybrid_pd.proxy.worker_client import WorkerClient
 
     if min(prompt_len, chunk, reps, concurrency) < 1 or max_tokens < 2:
         raise ValueError("prompt_len, chunk, reps and concurrency must be >= 1, max_tokens >= 2")
-    path = resolve_model(model)
-    cfg = json.loads((path / "config.json").read_text())
-    vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
-    common = ["--model", str(path), "--kv-memory", kv_memory, "--threads", str(threads)]
+    m = BenchModel.resolve(model)
+    path, vocab = m.path, m.vocab
+    common = m.worker_args(kv_memory, threads)
     if ucx_tls:
         common += ["--ucx-tls", ucx_tls]
     (prefill,) = _start([("prefill", [*common, "--max-num-batched-tokens", str(chunk)])], env)
@@ -101,16 +96,10 @@ def bench_overlap(
     try:
         workers += _start([("decode", [*common, "--peer", prefill.address])], env)
         for mode in MODES:
-            config = ProxyConfig(
-                served_model_names=("m",),
-                model_path=str(path),
-                port=0,
-                prefill_addresses=(prefill.address,),
-                decode_addresses=(workers[1].address,),
-                min_prefill_tokens=1,
+            proxies[mode] = start_proxy(
+                "m", path, [prefill], workers[1:2], min_prefill_tokens=1,
                 overlap_transfer=mode == "on",
-            )
-            proxies[mode] = ProxyHandle(config, port=0).start()
+            )  # fmt: skip
         runs = []
         timeout = httpx.Timeout(3600.0, connect=10.0)
         order = [(r, m) for r in range(reps) for m in (MODES if r % 2 == 0 else MODES[::-1])]
@@ -174,7 +163,7 @@ def bench_overlap(
             w.stop()
     return {
         "config": {
-            "model": model if model == "tiny" else Path(model).name,
+            "model": m.name,
             "prompt_len": prompt_len,
             "chunk": chunk,
             "reps": reps,

@@ -18,8 +18,6 @@ model) and reused.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -150,25 +148,12 @@ def _write(name: str, folder: Path) -> None:
 def ensure_real_shape(name: str, root: Path | None = None) -> Path:
     """The checkpoint folder of real shape `name` (REAL_SHAPES), written on first use under
     `root` (default: the engine's cache folder). ValueError for an unknown name."""
-    from hybrid_pd.engine.tiny import cache_root
+    from hybrid_pd.engine.tiny import cache_root, ensure_folder
 
     if name not in REAL_SHAPES:
         raise ValueError(f"unknown real shape {name!r}; known: {', '.join(REAL_SHAPES)}")
     folder = (root or cache_root()) / "real-shapes" / f"{name}-{_VERSION}"
-    if (folder / "config.json").exists():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
-    try:
-        _write(name, tmp)
-        try:
-            tmp.rename(folder)  # atomic: a concurrent first use keeps one complete copy
-        except OSError:
-            if not (folder / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    return ensure_folder(folder, "config.json", lambda tmp: _write(name, tmp))
 
 
 def resolve_bench_model(name_or_path: str) -> Path:

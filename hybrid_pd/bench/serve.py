@@ -10,8 +10,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybrid_pd.bench.completions import _prompt, print_rows, run_level
-from hybrid_pd.bench.service import NEVER, _routes, _start_workers, worker_kv_check
+from hybrid_pd.bench.completions import _prompt, level_columns, print_rows, run_level
+from hybrid_pd.bench.service import (
+    NEVER,
+    BenchModel,
+    _routes,
+    _start_workers,
+    start_proxy,
+    worker_kv_check,
+)
 
 SETUPS = ("pd", "aggregated")
 
@@ -56,8 +63,7 @@ def add_serve_parser(bsub: argparse._SubParsersAction) -> None:
 
 def _run_setup(
     setup: str,
-    path: Path,
-    model_name: str,
+    m: BenchModel,
     worker_args: list[str],
     env: dict | None,
     levels: list[int],
@@ -67,27 +73,20 @@ def _run_setup(
     budget_s: float,
     progress: bool,
 ) -> dict:
-    from hybrid_pd.proxy.config import ProxyConfig
-    from hybrid_pd.proxy.server import ProxyHandle
 
     workers = _start_workers(["prefill", "decode"] if setup == "pd" else ["both"], worker_args, env)
     proxy = None
     try:
         # P/D: every prompt takes the prefill worker. Aggregated: its one worker is in both
         # pools but no prompt reaches min_prefill_tokens, so each runs wholly on it.
-        config = ProxyConfig(
-            served_model_names=(model_name,),
-            model_path=str(path),
-            port=0,
-            prefill_addresses=(workers[0].address,),
-            decode_addresses=(workers[-1].address,),
+        proxy = start_proxy(
+            m.name, m.path, workers[:1], workers[-1:],
             min_prefill_tokens=1 if setup == "pd" else NEVER,
-        )
-        proxy = ProxyHandle(config, port=0).start()
+        )  # fmt: skip
         # Warm-up (not measured): the first forward passes of a fresh process are slow.
         w = run_level(
             proxy.url,
-            model_name,
+            m.name,
             [warm],
             max_tokens,
             1,
@@ -101,7 +100,7 @@ def _run_setup(
         rows = [
             run_level(
                 proxy.url,
-                model_name,
+                m.name,
                 prompts[c],
                 max_tokens,
                 c,
@@ -136,15 +135,12 @@ def bench_serve(
     env: dict[str, str] | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    from hybrid_pd.engine.tiny import resolve_model
 
-    path = resolve_model(model)
-    model_name = model if model == "tiny" else Path(model).name
-    cfg = json.loads((path / "config.json").read_text())
-    vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
+    m = BenchModel.resolve(model)
+    vocab = m.vocab
     levels = list(concurrency)
     prompts = {c: [_prompt(f"{c}-{i}", prompt_len, vocab) for i in range(requests)] for c in levels}
-    args = ["--model", str(path), "--kv-memory", kv_memory, "--threads", str(threads)]
+    args = m.worker_args(kv_memory, threads)
     result: dict[str, Any] = {
         "model": model,
         "prompt_len": prompt_len,
@@ -159,9 +155,7 @@ def bench_serve(
     for k, setup in enumerate(SETUPS):
         budget = max_seconds / 2 if k == 0 else max(0.0, max_seconds - spent)
         warm = _prompt(f"warmup-{setup}", prompt_len, vocab)
-        out = _run_setup(
-            setup, path, model_name, args, env, levels, prompts, warm, max_tokens, budget, progress
-        )
+        out = _run_setup(setup, m, args, env, levels, prompts, warm, max_tokens, budget, progress)
         spent += out["used_s"]
         result["setups"][setup] = out["rows"]
         result["routes"][setup] = out["routes"]
@@ -240,19 +234,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        cols = {
-            "concurrency": "conc",
-            "completed": "done",
-            "errors": "err",
-            "output_tokens_per_s": "tok/s",
-            "requests_per_s": "req/s",
-            "ttft_ms_p50": "TTFT p50 ms",
-            "ttft_ms_p90": "TTFT p90",
-            "itl_ms_p50": "ITL p50",
-            "itl_ms_p90": "ITL p90",
-            "e2e_ms_p50": "e2e p50",
-            "e2e_ms_p90": "e2e p90",
-        }
+        cols = level_columns("output_tokens_per_request")
         for setup, rows in result["setups"].items():
             print_rows(f"{setup} (routes {result['routes'][setup]}):", cols, rows)
         for r in result["ratios"]:

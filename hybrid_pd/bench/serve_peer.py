@@ -29,7 +29,7 @@ from typing import Any
 
 from hybrid_pd.bench.completions import _prompt, run_level
 from hybrid_pd.bench.peer_vllm import agreeing_tokens
-from hybrid_pd.bench.service import NEVER, _start_workers, worker_kv_check
+from hybrid_pd.bench.service import NEVER, _start_workers, start_proxy, worker_kv_check
 
 #: What the JSON's `ratios` compare per level (ours / vLLM).
 RATIO_KEYS = ("output_tokens_per_s", "ttft_ms_p50", "itl_ms_p50", "e2e_ms_p50")
@@ -72,8 +72,6 @@ def bench_serve_peer(
     from hybrid_pd.bench.peer import bench_cpus, checkpoint_config, checkpoint_dtype
     from hybrid_pd.bench.vllm_servers import Server
     from hybrid_pd.engine.tiny import resolve_model
-    from hybrid_pd.proxy.config import ProxyConfig
-    from hybrid_pd.proxy.server import ProxyHandle
 
     if reps < 1:
         raise ValueError("--reps must be at least 1")
@@ -105,15 +103,7 @@ def bench_serve_peer(
     proxy = None
     try:
         workers = _start_workers(["both"], worker_args, None)
-        config = ProxyConfig(
-            served_model_names=(model_name,),
-            model_path=str(path),
-            port=0,
-            prefill_addresses=(workers[0].address,),
-            decode_addresses=(workers[0].address,),
-            min_prefill_tokens=NEVER,
-        )
-        proxy = ProxyHandle(config, port=0).start()
+        proxy = start_proxy(model_name, path, workers, workers, min_prefill_tokens=NEVER)
         peer.wait_ready()
         urls = {"ours": proxy.url, "vllm": peer.url}
         names = {"ours": model_name, "vllm": str(path)}  # vLLM serves it under its path

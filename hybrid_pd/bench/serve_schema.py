@@ -17,15 +17,19 @@ Per level, the figures are medians over the repetitions, and:
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-from hybrid_pd.bench.completions import _prompt, print_rows, run_level
+from hybrid_pd.bench.completions import _prompt, level_columns, print_rows, run_level
 from hybrid_pd.bench.serve_peer import _median_rows
-from hybrid_pd.bench.service import _routes, _start_workers, worker_kv_check
+from hybrid_pd.bench.service import (
+    BenchModel,
+    _routes,
+    _start_workers,
+    start_proxy,
+    worker_kv_check,
+)
 
 VARIANTS = ("plain", "schema")
 
@@ -50,31 +54,18 @@ def bench_serve_schema(
 ) -> dict[str, Any]:
     """Plain next to schema-constrained load on one P/D fleet (see the module's doc).
     `max_seconds`: the whole measured load; no request starts after it."""
-    from hybrid_pd.engine.tiny import resolve_model
-    from hybrid_pd.proxy.config import ProxyConfig
-    from hybrid_pd.proxy.server import ProxyHandle
 
     if reps < 1:
         raise ValueError("--reps must be at least 1")
-    path = resolve_model(model)
-    model_name = model if model == "tiny" else Path(model).name
-    cfg = json.loads((path / "config.json").read_text())
-    vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
+    m = BenchModel.resolve(model)
+    path, model_name, vocab = m.path, m.name, m.vocab
     levels = list(concurrency)
     extra = {"plain": None, "schema": {"guided_json": schema}}
-    args = ["--model", str(path), "--kv-memory", kv_memory, "--threads", str(threads)]
+    args = m.worker_args(kv_memory, threads)
     workers = _start_workers(["prefill", "decode"], args, env)
     proxy = None
     try:
-        config = ProxyConfig(
-            served_model_names=(model_name,),
-            model_path=str(path),
-            port=0,
-            prefill_addresses=(workers[0].address,),
-            decode_addresses=(workers[1].address,),
-            min_prefill_tokens=1,
-        )
-        proxy = ProxyHandle(config, port=0).start()
+        proxy = start_proxy(model_name, path, workers[:1], workers[1:], min_prefill_tokens=1)
         for v in VARIANTS:  # warm-up (not measured): first passes, the grammar's compile
             warm = [_prompt(f"warmup-{v}-{i}", prompt_len, vocab) for i in range(2)]
             w = run_level(
@@ -159,16 +150,7 @@ def bench_serve_schema(
 
 def print_schema_result(result: dict) -> None:
     """The human-readable table of `bench_serve_schema`'s result."""
-    cols = {
-        "concurrency": "conc",
-        "completed": "done",
-        "errors": "err",
-        "output_tokens_per_request": "tok/req",
-        "output_tokens_per_s": "tok/s",
-        "ttft_ms_p50": "TTFT p50 ms",
-        "itl_ms_p50": "ITL p50",
-        "itl_ms_p90": "ITL p90",
-    }
+    cols = level_columns("requests_per_s", "ttft_ms_p90", "e2e_ms_p50", "e2e_ms_p90")
     for v, rows in result["setups"].items():
         print_rows(f"{v} (medians over {result['reps']} alternating repetitions):", cols, rows)
     for c in result["costs"]:

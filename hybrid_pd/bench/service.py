@@ -4,12 +4,39 @@ took, read from its /metrics."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 #: The aggregated proxy never disaggregates: no prompt is this long.
 NEVER = 10**9
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A serving benchmark's model: its checkpoint folder, the name clients ask for (`tiny`
+    or the folder's name) and its vocabulary size (prompts are random ids below it)."""
+
+    path: Path
+    name: str
+    vocab: int
+
+    @classmethod
+    def resolve(cls, model: str) -> BenchModel:
+        """`tiny` (made if missing) or a checkpoint folder."""
+        from hybrid_pd.engine.tiny import resolve_model
+
+        path = resolve_model(model)
+        cfg = json.loads((path / "config.json").read_text())
+        vocab = (cfg.get("text_config") or {}).get("vocab_size") or cfg.get("vocab_size")
+        return cls(path, model if model == "tiny" else Path(model).name, vocab)
+
+    def worker_args(self, kv_memory: str, threads: int) -> list[str]:
+        """The worker process's flags for this model, its KV memory and torch threads."""
+        return ["--model", str(self.path), "--kv-memory", kv_memory, "--threads", str(threads)]
 
 
 def _start_workers(roles: list[str], args: list[str], env: dict | None) -> list:
@@ -24,6 +51,25 @@ def _start_workers(roles: list[str], args: list[str], env: dict | None) -> list:
     if errors:
         raise errors[0]
     return started
+
+
+def start_proxy(
+    model_name: str, path: object, prefill: list, decode: list, **settings: object
+) -> object:
+    """A started proxy (`ProxyHandle`, on a free port) serving `model_name` (the checkpoint at
+    `path`) from the `prefill` and `decode` workers; `settings`: other `ProxyConfig` fields."""
+    from hybrid_pd.proxy.config import ProxyConfig
+    from hybrid_pd.proxy.server import ProxyHandle
+
+    config = ProxyConfig(
+        served_model_names=(model_name,),
+        model_path=str(path),
+        port=0,
+        prefill_addresses=tuple(w.address for w in prefill),
+        decode_addresses=tuple(w.address for w in decode),
+        **settings,
+    )
+    return ProxyHandle(config, port=0).start()
 
 
 def worker_kv_check(workers: list, timeout: float = 10.0) -> list[dict]:

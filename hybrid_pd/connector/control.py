@@ -22,9 +22,11 @@ from typing import Any
 
 import grpc
 
+from hybrid_pd.api.wire import same_named
 from hybrid_pd.connector import timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import GroupGeometry, KVLayout
+from hybrid_pd.connector.prefill_stage import PullOrder
 from hybrid_pd.connector.watch import until
 from hybrid_pd.kvcache.ids import EngineId, RequestId
 from hybrid_pd.kvcache.tp_layout import SlotRows
@@ -38,30 +40,22 @@ SECRET_HEADER = "x-hybrid-pd-secret"
 PROGRESS_WAIT_MAX_S = 10.0
 
 
+#: `GroupGeometry` and `SlotRows` fields their proto messages hold alike.
+_GROUP_AS_IS = ("kind", "spec", "num_layers", "slot_bytes", "blocks_per_state")
+_ROWS_AS_IS = ("offset", "row_bytes")
+
+
 def layout_to_pb(layout: KVLayout) -> pb.Layout:
+    def rows(r: SlotRows) -> pb.SlotRows:
+        segments = [pb.RowSegment(units=u, width=w, replicate=rep) for u, w, rep in r.segments]
+        return pb.SlotRows(**same_named(r, _ROWS_AS_IS), segments=segments)
+
     return pb.Layout(
         fingerprint=layout.fingerprint,
         block_size=layout.block_size,
         page_size_bytes=layout.page_size_bytes,
         groups=[
-            pb.GroupGeometry(
-                kind=g.kind,
-                spec=g.spec,
-                num_layers=g.num_layers,
-                slot_bytes=g.slot_bytes,
-                blocks_per_state=g.blocks_per_state,
-                rows=[
-                    pb.SlotRows(
-                        offset=r.offset,
-                        row_bytes=r.row_bytes,
-                        segments=[
-                            pb.RowSegment(units=u, width=w, replicate=rep)
-                            for u, w, rep in r.segments
-                        ],
-                    )
-                    for r in g.rows
-                ],
-            )
+            pb.GroupGeometry(**same_named(g, _GROUP_AS_IS), rows=[rows(r) for r in g.rows])
             for g in layout.groups
         ],
         model=layout.model,
@@ -70,30 +64,15 @@ def layout_to_pb(layout: KVLayout) -> pb.Layout:
 
 
 def layout_from_pb(msg: pb.Layout) -> KVLayout:
-    return KVLayout(
-        msg.block_size,
-        msg.page_size_bytes,
-        tuple(
-            GroupGeometry(
-                g.kind,
-                g.spec,
-                g.num_layers,
-                g.slot_bytes,
-                g.blocks_per_state,
-                tuple(
-                    SlotRows(
-                        r.offset,
-                        r.row_bytes,
-                        tuple((s.units, s.width, s.replicate) for s in r.segments),
-                    )
-                    for r in g.rows
-                ),
-            )
-            for g in msg.groups
-        ),
-        msg.model,
-        msg.tp_size or 1,
+    def rows(r: pb.SlotRows) -> SlotRows:
+        segments = tuple((s.units, s.width, s.replicate) for s in r.segments)
+        return SlotRows(**same_named(r, _ROWS_AS_IS), segments=segments)
+
+    groups = tuple(
+        GroupGeometry(**same_named(g, _GROUP_AS_IS), rows=tuple(rows(r) for r in g.rows))
+        for g in msg.groups
     )
+    return KVLayout(msg.block_size, msg.page_size_bytes, groups, msg.model, msg.tp_size or 1)
 
 
 class SecretInterceptor(grpc.aio.ServerInterceptor):
@@ -267,9 +246,10 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         try:
             if not request.stage_epoch and hasattr(self.prefill.transport, "send_future"):
                 # posted from this loop and awaited here: no send thread to wake
-                res = await self.prefill.pull_async(
+                order = PullOrder(
                     rid, request.transfer_token, skip=list(request.skip_blocks), **what
                 )
+                res = await self.prefill.pull_async(order)
             else:
                 res = await asyncio.get_running_loop().run_in_executor(
                     self._sends, lambda: send(**what)

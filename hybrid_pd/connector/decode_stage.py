@@ -31,7 +31,7 @@ import grpc
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.base import LoadResult, TransferFailed
 from hybrid_pd.connector.decode_peer import Peer, Refused, TransferStats, rpc_error
-from hybrid_pd.kvcache.ids import NULL_BLOCK_ID, RequestId
+from hybrid_pd.kvcache.ids import NULL_BLOCK_ID, EngineId, RequestId
 from hybrid_pd.proto import kv_control_pb2 as pb
 
 if TYPE_CHECKING:
@@ -226,7 +226,7 @@ class StagedLoads:
             return params.completed(
                 [g.ids for g in reply.block_ids],
                 reply.first_token,
-                reply.engine_id,
+                EngineId(reply.engine_id),
                 reply.fingerprint,
             )
         if load.want > params.prompt_len:

@@ -27,7 +27,14 @@ from hybrid_pd.api.signing import sign
 from hybrid_pd.connector import faults, timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
-from hybrid_pd.connector.prefill_stage import Progress, PullResult, Stage, Staging, remember
+from hybrid_pd.connector.prefill_stage import (
+    Progress,
+    PullOrder,
+    PullResult,
+    Stage,
+    Staging,
+    remember,
+)
 from hybrid_pd.connector.segments import PagedPlan, TransferPlan, group_regions, split_iov
 from hybrid_pd.connector.tp_plan import ShardedPlan
 from hybrid_pd.connector.watch import Watchers, wait_until
@@ -260,19 +267,17 @@ class PrefillConnector(Staging):
         dst_layout: KVLayout | None = None,
         wait_for_keep: bool = True,
     ) -> PullResult:
-        """Send the request's kept blocks to `peer` into `dst_blocks` (per group). `skip[g]`:
-        decode holds group g's first kept blocks already; only the rest are sent.
-        `message_regions[i]`: how many regions message i carries (scatter-gather); empty:
-        one message per region. `dst_layout`: the decode worker's, when either side is
-        tensor-parallel. `wait_for_keep`: a request not kept yet blocks this thread up to
-        `keep_wait` for its keep; KVControl awaits that on its event loop (`settled`,
-        `watchers`) and calls with False, so no handler thread waits."""
+        """Send the request's kept blocks as `PullOrder` (the same arguments) says, on this
+        thread. `wait_for_keep`: a request not kept yet blocks this thread up to `keep_wait`
+        for its keep; KVControl awaits that on its event loop (`settled`, `watchers`) and
+        calls with False, so no handler thread waits."""
+        order = PullOrder(
+            request_id, token, dst_blocks, peer, tag, timeout, skip, message_regions, dst_layout
+        )
         wait = self.keep_wait(timeout) if wait_for_keep else 0.0
         if wait > 0:
             wait_until(self._watch, request_id, lambda: self.settled(request_id), wait)
-        sending = self._begin_pull(
-            request_id, token, dst_blocks, peer, tag, skip, message_regions, dst_layout
-        )
+        sending = self._begin_pull(order)
         try:
             self.transport.send(peer, tag, sending.messages, timeout)
         except ValueError as e:
@@ -281,58 +286,46 @@ class PrefillConnector(Staging):
             self._end_pull(sending)
         return self._pulled(sending)
 
-    async def pull_async(
-        self,
-        request_id: str,
-        token: str,
-        dst_blocks: list[list[int]],
-        peer: bytes,
-        tag: int,
-        timeout: float = 30.0,
-        skip: Sequence[int] = (),
-        message_regions: Sequence[int] = (),
-        dst_layout: KVLayout | None = None,
-    ) -> PullResult:
+    async def pull_async(self, order: PullOrder) -> PullResult:
         """`pull` for an event loop (KVControl's): the send is posted on the transport's
         loop and awaited there, with no thread of a pool in between (each hop is a thread
         to wake, which on a busy machine is where a pull's time went). Needs a transport
         with `send_future`; the caller has awaited the keep (`settled`)."""
-        sending = self._begin_pull(
-            request_id, token, dst_blocks, peer, tag, skip, message_regions, dst_layout
-        )
+        sending = self._begin_pull(order)
         try:
             if sending.messages:
                 await asyncio.wrap_future(
-                    self.transport.send_future(peer, tag, sending.messages, timeout)
+                    self.transport.send_future(
+                        order.peer, order.tag, sending.messages, order.timeout
+                    )
                 )
         except ValueError as e:
-            raise TransferFailed(f"request {request_id}: {e}") from e
+            raise TransferFailed(f"request {order.request_id}: {e}") from e
         finally:
             self._end_pull(sending)
         return self._pulled(sending)
 
-    def _begin_pull(
-        self, request_id, token, dst_blocks, peer, tag, skip, message_regions, dst_layout
-    ) -> _Sending:
+    def _begin_pull(self, order: PullOrder) -> _Sending:
         """Check the token, hold the lease against freeing, and plan the messages."""
-        plan = self._plan_for(dst_layout)
+        o = order
+        plan = self._plan_for(o.dst_layout)
         with self._lock:
-            lease = self._lease(request_id, token)
+            lease = self._lease(o.request_id, o.token)
             lease.pulling += 1
             lease.expires_at = max(lease.expires_at, self._clock() + self.lease_s)
         sending = _Sending(lease, plan)
         try:
-            sending.runs = plan.runs(_skipped(lease.block_ids, skip), dst_blocks)
+            sending.runs = plan.runs(_skipped(lease.block_ids, o.skip), o.dst_blocks)
             sending.messages = self._messages(
-                plan, sending.runs, message_regions, request_id, peer, tag
+                plan, sending.runs, o.message_regions, o.request_id, o.peer, o.tag
             )
         except ValueError as e:
             self._end_pull(sending)
-            raise TransferFailed(f"request {request_id}: {e}") from e
+            raise TransferFailed(f"request {o.request_id}: {e}") from e
         except BaseException:
             self._end_pull(sending)
             raise
-        timeline.stamp(request_id, "sends_posted")
+        timeline.stamp(o.request_id, "sends_posted")
         return sending
 
     def _end_pull(self, sending: _Sending) -> None:

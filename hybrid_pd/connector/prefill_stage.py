@@ -63,6 +63,26 @@ class PullResult:
     messages: int
 
 
+@dataclass(frozen=True)
+class PullOrder:
+    """What one pull asks the prefill side for: the request's kept blocks, sent to `peer`
+    under `tag` into `dst_blocks` (per group) within `timeout` seconds. `skip[g]`: decode
+    holds group g's first kept blocks already; only the rest are sent.
+    `message_regions[i]`: how many regions message i carries (scatter-gather); empty: one
+    message per region. `dst_layout`: the decode worker's, when either side is
+    tensor-parallel."""
+
+    request_id: RequestId
+    token: str
+    dst_blocks: list[list[int]]
+    peer: bytes
+    tag: int
+    timeout: float = 30.0
+    skip: Sequence[int] = ()
+    message_regions: Sequence[int] = ()
+    dst_layout: KVLayout | None = None
+
+
 class Staging:
     """The staged half of `PrefillConnector` (a mixin: it shares the connector's lock,
     leases and plans). The connector provides the attributes annotated here, and `_lease`,

@@ -73,7 +73,7 @@ class DecodeRole(Role):
             raise ValueError(f"failure_policy must be one of {POLICIES}")
         first = [] if kv.staged else [kv.first_token]  # staged: the load brings it
         kwargs = {"output_ids": first, "remote_kv": kv, "on_load_failure": policy}
-        return RequestId(kv.request_id), kwargs
+        return kv.request_id, kwargs
 
     def dropped(self, request) -> None:
         """An aborted request whose KV was never pulled: let the prefill worker free it."""

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -43,22 +44,30 @@ def resolve_model(name_or_path: str) -> Path:
     return path
 
 
-def ensure_tiny(root: Path | None = None) -> Path:
-    folder = (root or cache_root()) / _VERSION
-    if (folder / "model.safetensors").exists():
+def ensure_folder(folder: Path, marker: str, write: Callable[[Path], None]) -> Path:
+    """`folder`, made on first use: `write` fills a temporary sibling, which is then renamed
+    into place (atomic: concurrent first uses keep one complete copy). A folder that holds
+    the file `marker` is complete and returned as it is."""
+    if (folder / marker).exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=folder.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
-        write_tiny_checkpoint(tmp)
+        write(tmp)
         try:
-            tmp.rename(folder)  # atomic: concurrent first uses keep one complete copy
+            tmp.rename(folder)
         except OSError:
-            if not (folder / "model.safetensors").exists():
+            if not (folder / marker).exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+def ensure_tiny(root: Path | None = None) -> Path:
+    return ensure_folder(
+        (root or cache_root()) / _VERSION, "model.safetensors", write_tiny_checkpoint
+    )
 
 
 def write_tiny_checkpoint(folder: Path, overrides: dict | None = None) -> None:

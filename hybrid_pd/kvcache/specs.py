@@ -77,11 +77,16 @@ class AttentionSpec(LayerSpec):
     num_kv_heads: int
     head_dim: int
     dtype: str = "bfloat16"
+    #: The field that bounds how far back a query sees (a window, a chunk), if the kind
+    #: has one: it must be positive.
+    span_field = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if self.num_kv_heads <= 0 or self.head_dim <= 0:
             raise ValueError(f"{type(self).__name__}: heads and head_dim must be positive")
+        if self.span_field and getattr(self, self.span_field) <= 0:
+            raise ValueError(f"{type(self).__name__}.{self.span_field} must be positive")
 
     @property
     def bytes_per_token(self) -> int:
@@ -112,11 +117,7 @@ class SlidingWindowSpec(AttentionSpec):
 
     window: int = 0
     kind = "sliding_window"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.window <= 0:
-            raise ValueError("SlidingWindowSpec.window must be positive")
+    span_field = "window"
 
     def first_needed_token(self, num_tokens: int) -> int:
         return max(0, num_tokens - self.window + 1)
@@ -128,11 +129,7 @@ class ChunkedLocalSpec(AttentionSpec):
 
     chunk_size: int = 0
     kind = "chunked_local"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.chunk_size <= 0:
-            raise ValueError("ChunkedLocalSpec.chunk_size must be positive")
+    span_field = "chunk_size"
 
     def first_needed_token(self, num_tokens: int) -> int:
         return (num_tokens // self.chunk_size) * self.chunk_size

@@ -20,7 +20,11 @@ from hybrid_pd.launcher.console import (
 )
 from hybrid_pd.launcher.generate import add_generate
 from hybrid_pd.launcher.lazy_parser import LazyParser
-from hybrid_pd.workers.flags import add_engine_flags, positive_int
+from hybrid_pd.workers.flags import (
+    add_engine_flags,
+    add_role_tp_flags,
+    add_worker_flags,
+)
 
 logger = logging.getLogger("hybrid_pd.launcher.cli")
 
@@ -195,7 +199,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="shared secret for all worker RPCs (visible in `ps`: prefer --secret-file or "
         "HYBRID_PD_SECRET); embedded mode makes one when none is given",
     )
-    p.add_argument("--secret-file", help="read the shared secret from this file")
     p.add_argument(
         "--insecure",
         action="store_true",
@@ -205,12 +208,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--min-prefill-tokens", type=int, help="shorter prompts skip the prefill pool (default 32)"
     )
-    p.add_argument("--ucx-tls", help="UCX transports for KV transfers (e.g. tcp,self)")
-    p.add_argument(
-        "--max-queued",
-        type=int,
-        help="per worker: requests waiting for their first token before it refuses more "
-        "(default 256)",
+    add_worker_flags(
+        p,
+        {
+            "--secret-file": "read the shared secret from this file",
+            "--ucx-tls": "UCX transports for KV transfers (e.g. tcp,self)",
+            "--max-queued": "per worker: requests waiting for their first token before it "
+            "refuses more (default 256)",
+        },
+        defaults=False,
     )
     p.add_argument(
         "--max-pending",
@@ -228,13 +234,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="proxy: prefills run on decode workers at once while no prefill worker is up "
         "(default 4)",
     )
-    for prefix, who in (("", "every worker"), ("prefill-", "prefill"), ("decode-", "decode")):
-        p.add_argument(
-            f"--{prefix}tensor-parallel-size",
-            type=positive_int,
-            help=f"ranks of each {who} worker's engine, one process each on its node "
-            + ("(default 1)" if not prefix else "(default --tensor-parallel-size)"),
-        )
+    tp_help = "ranks of {} worker's engine, one process each on its node ({})"
+    add_engine_flags(
+        p,
+        {"--tensor-parallel-size": tp_help.format("every", "default 1")},
+        defaults=False,
+        only=("--tensor-parallel-size",),
+    )
+    add_role_tp_flags(
+        p,
+        {
+            f"--{role}-tensor-parallel-size": tp_help.format(
+                f"each {role}", "default --tensor-parallel-size"
+            )
+            for role in ("prefill", "decode")
+        },
+    )
     p.add_argument(
         "--max-migrations",
         type=int,

@@ -8,7 +8,7 @@ import json
 
 from hybrid_pd.api.sizes import HELD_STATE_ROWS_HELP
 from hybrid_pd.launcher import preflight
-from hybrid_pd.workers.flags import add_engine_flags, positive_int
+from hybrid_pd.workers.flags import add_engine_flags, add_role_tp_flags
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -36,17 +36,13 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
         },
     )
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
-    p.add_argument(
-        "--prefill-tensor-parallel-size",
-        type=positive_int,
-        default=None,
-        help="with --disaggregated: the prefill worker's ranks (default --tensor-parallel-size)",
-    )
-    p.add_argument(
-        "--decode-tensor-parallel-size",
-        type=positive_int,
-        default=None,
-        help="with --disaggregated: the decode worker's ranks (default --tensor-parallel-size)",
+    add_role_tp_flags(
+        p,
+        {
+            f"--{role}-tensor-parallel-size": f"with --disaggregated: the {role} worker's "
+            "ranks (default --tensor-parallel-size)"
+            for role in ("prefill", "decode")
+        },
     )
     p.add_argument(
         "--disaggregated",

@@ -215,22 +215,11 @@ class ServeConfig:
         return self.prefill * self.tp_size("prefill") + self.decode * self.tp_size("decode")
 
     def worker_config(self, role: str, model_path: str) -> WorkerConfig:
-        from hybrid_pd.workers.settings import EngineSettings, worker_config
+        from hybrid_pd.workers.settings import worker_config
 
         host = self.worker_host or ("127.0.0.1" if self.address is None else "auto")
         return worker_config(
-            role,
-            model_path,
-            EngineSettings.of(self),
-            host=host,
-            device=self.device,
-            secret=self.secret,
-            lease_s=self.lease_s,
-            failure_policy=self.failure_policy,
-            ucx_tls=self.ucx_tls,
-            max_queued=self.max_queued,
-            tensor_parallel_size=self.tp_size(role),
-            rank_threads=self.threads,
+            role, model_path, self, host=host, tensor_parallel_size=self.tp_size(role)
         )
 
     def resolved_vllm_python(self) -> str:

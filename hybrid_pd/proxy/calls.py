@@ -8,20 +8,23 @@ from dataclasses import dataclass
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.api.wire import sampling_to_pb
+from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proxy.worker_client import PrefillResult
 
 
 @dataclass(frozen=True)
 class PrefillCall:
-    request_id: str
+    #: The worker-side id of this leg (the client's id with the leg and attempt).
+    request_id: RequestId
     prompt_ids: list[int]
     sampling: pb.Sampling
 
 
 @dataclass(frozen=True)
 class DecodeCall:
-    request_id: str
+    #: The worker-side id of this leg (the client's id with the leg and attempt).
+    request_id: RequestId
     prompt_ids: list[int]
     sampling: pb.Sampling
     kv_transfer_params: KVTransferParams | None = None
@@ -41,7 +44,8 @@ def prepare_prefill_request(
     so the decode leg (`-d...`) never collides with it, even on a worker of role `both`."""
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    return PrefillCall(f"{request_id}-p{attempt}", list(prompt_ids), sampling_to_pb(params))
+    rid = RequestId(f"{request_id}-p{attempt}")
+    return PrefillCall(rid, list(prompt_ids), sampling_to_pb(params))
 
 
 def prepare_decode_request(
@@ -68,7 +72,7 @@ def prepare_decode_request(
         if kv.prompt_len != len(prompt_ids):
             raise ValueError("kv_transfer_params do not describe this prompt")
     return DecodeCall(
-        f"{request_id}-d{attempt}",
+        RequestId(f"{request_id}-d{attempt}"),
         list(prompt_ids),
         sampling_to_pb(params),
         kv,

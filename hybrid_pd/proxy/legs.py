@@ -9,6 +9,7 @@ import threading
 
 import grpc
 
+from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.proxy.errors import ProxyError
 from hybrid_pd.proxy.routing import WorkerPool, WorkerState
 
@@ -27,7 +28,7 @@ class Leg:
         self,
         pool: WorkerPool,
         worker: WorkerState,
-        rid: str,
+        rid: RequestId,
         kind: str,
         call,
         tokens: int = 0,

@@ -15,6 +15,7 @@ import time
 import grpc
 
 from hybrid_pd.api.params import KVTransferParams
+from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.proxy.calls import prepare_decode_request, prepare_prefill_request
 from hybrid_pd.proxy.errors import ProxyError, overloaded
 from hybrid_pd.proxy.legs import BACKOFF_CAP_S, BACKOFF_S, FULL, Leg, wait_grpc_future
@@ -128,7 +129,7 @@ class PrefillPhase:
             and p.prompt_logprobs is None
         )
 
-    async def _start_staged(self, prefill: WorkerState, prefill_rid: str, token: str) -> None:
+    async def _start_staged(self, prefill: WorkerState, prefill_rid: RequestId, token: str) -> None:
         """Start the decode leg beside the prefill, with staged kv_transfer_params; none
         when no decode worker has room now (the hand-over then waits for the prefill)."""
         d = self.d

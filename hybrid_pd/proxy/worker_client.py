@@ -12,6 +12,7 @@ from google.protobuf.message import Message
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import TokenLogprob
 from hybrid_pd.api.wire import logprob_from_pb
+from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 
@@ -53,20 +54,9 @@ class WorkerClient:
         (`timeout_s`, else its default) and secret."""
         return rpc(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
 
-    def prefill(
-        self,
-        request_id: str,
-        prompt_ids: list[int],
-        sampling: pb.Sampling,
-        timeout_s: float | None = None,
-        transfer_token: str = "",
-    ) -> PrefillResult:
-        request = _prefill_request(request_id, prompt_ids, sampling, transfer_token)
-        return prefill_result(self._call(self._stub.Prefill, request, timeout_s))
-
     def prefill_future(
         self,
-        request_id: str,
+        request_id: RequestId,
         prompt_ids: list[int],
         sampling: pb.Sampling,
         timeout_s: float | None = None,
@@ -78,9 +68,14 @@ class WorkerClient:
         request = _prefill_request(request_id, prompt_ids, sampling, transfer_token)
         return self._call(self._stub.Prefill.future, request, timeout_s)
 
+    def prefill(self, *args: Any, **kwargs: Any) -> PrefillResult:
+        """`prefill_future`'s call (the same arguments), waited for: its parsed reply. An
+        RPC error raises as the blocking call's would (a grpc.RpcError with its code)."""
+        return prefill_result(self.prefill_future(*args, **kwargs).result())
+
     def generate_stream(
         self,
-        request_id: str,
+        request_id: RequestId,
         prompt_ids: list[int],
         sampling: pb.Sampling,
         kv_transfer_params: KVTransferParams | None = None,
@@ -112,7 +107,7 @@ class WorkerClient:
         return out
 
     def abort(
-        self, request_id: str, timeout_s: float | None = None, transfer_token: str = ""
+        self, request_id: RequestId, timeout_s: float | None = None, transfer_token: str = ""
     ) -> bool:
         request = pb.AbortRequest(request_id=request_id, transfer_token=transfer_token)
         return self._call(self._stub.Abort, request, timeout_s).ok
@@ -169,7 +164,7 @@ def _scalars(msg: Message) -> dict:
 
 
 def _prefill_request(
-    request_id: str, prompt_ids: list[int], sampling: pb.Sampling, transfer_token: str
+    request_id: RequestId, prompt_ids: list[int], sampling: pb.Sampling, transfer_token: str
 ) -> pb.PrefillRequest:
     return pb.PrefillRequest(
         request_id=request_id,

@@ -27,7 +27,7 @@ from hybrid_pd.engine.heap import freeze_startup_heap
 from hybrid_pd.engine.malloc import tune_malloc
 from hybrid_pd.engine.threads import set_torch_threads
 from hybrid_pd.workers.config import ROLES, WorkerConfig
-from hybrid_pd.workers.flags import add_engine_flags, positive_int
+from hybrid_pd.workers.flags import add_engine_flags, add_worker_flags, positive_int
 from hybrid_pd.workers.settings import worker_config_from_args
 from hybrid_pd.workers.worker import Worker
 
@@ -62,10 +62,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help=f"control-plane secret (visible in ps: prefer --secret-file or ${SECRET_ENV})",
     )
-    p.add_argument("--secret-file", default=None, help="read the control-plane secret from here")
+    add_worker_flags(
+        p,
+        {
+            "--secret-file": "read the control-plane secret from here",
+            "--ucx-tls": "UCX transports, e.g. tcp,self",
+            "--max-queued": "requests admitted but waiting for their first token; beyond: "
+            "RESOURCE_EXHAUSTED",
+        },
+    )
     p.add_argument("--lease-s", type=float, default=30.0)
     p.add_argument("--transfer-timeout-s", type=float, default=30.0)
-    p.add_argument("--ucx-tls", default=None, help="UCX transports, e.g. tcp,self")
     p.add_argument(
         "--no-prefix-reuse-on-load",
         dest="reuse_prefix_on_load",
@@ -86,12 +93,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="decode role: a prefill worker (host:port) it may pull KV from; repeatable "
         "(a proxy adds the ones it knows)",
-    )
-    p.add_argument(
-        "--max-queued",
-        type=int,
-        default=256,
-        help="requests admitted but waiting for their first token; beyond: RESOURCE_EXHAUSTED",
     )
     p.add_argument(
         "--workers-on-host",

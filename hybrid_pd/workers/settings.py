@@ -51,10 +51,19 @@ class EngineSettings:
         )
 
 
-def worker_config(role: str, model: str, engine: EngineSettings, **worker: Any) -> WorkerConfig:
-    """A `role` worker of `model` with `engine`'s settings; `worker`: the other
-    `WorkerConfig` fields (host, secret, lease_s, failure_policy, ...)."""
-    return WorkerConfig(role=role, model=model, engine=engine.config(), **worker)
+#: The `WorkerConfig` fields every source of settings (the worker process's parsed flags,
+#: `ServeConfig`) holds under the same name and meaning; its `threads` are the ranks'.
+_SAME_NAMED = ("device", "secret", "lease_s", "failure_policy", "ucx_tls", "max_queued")
+
+
+def worker_config(role: str, model: str, source: object, **given: Any) -> WorkerConfig:
+    """A `role` worker of `model` with the settings `source` carries (its `EngineSettings`,
+    the `_SAME_NAMED` fields, `threads` for each rank); `given`: the other `WorkerConfig`
+    fields (host, port, ...) and those the source names or means otherwise, which win."""
+    fields_of_source = {name: getattr(source, name) for name in (*_SAME_NAMED, "threads")}
+    fields_of_source["rank_threads"] = fields_of_source.pop("threads")
+    engine = EngineSettings.of(source).config()
+    return WorkerConfig(role=role, model=model, engine=engine, **{**fields_of_source, **given})
 
 
 def worker_config_from_args(args: argparse.Namespace, secret: str | None) -> WorkerConfig:
@@ -62,18 +71,12 @@ def worker_config_from_args(args: argparse.Namespace, secret: str | None) -> Wor
     return worker_config(
         args.role,
         args.model,
-        EngineSettings.of(args),
+        args,
         host=args.host,
         port=args.port,
-        device=args.device,
         secret=secret,
-        lease_s=args.lease_s,
-        failure_policy=args.failure_policy,
         transfer_timeout_s=args.transfer_timeout_s,
-        ucx_tls=args.ucx_tls,
         kv_scatter_gather=args.kv_scatter_gather,
         peers=tuple(args.peer),
-        max_queued=args.max_queued,
         tensor_parallel_size=args.tensor_parallel_size,
-        rank_threads=args.threads,
     )

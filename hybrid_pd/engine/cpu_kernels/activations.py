@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_pd.engine.cpu_kernels.common import ROWS_SPLIT_MIN, split_threads
+from hybrid_pd.engine.cpu_kernels.common import ROWS_SPLIT_MIN, split_threads, variant
 from hybrid_pd.engine.cpu_kernels.loader import library
 
 #: The activations `act_mul` takes, by the name its callers use.
@@ -30,7 +30,7 @@ def act_mul(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | No
         return None
     rows, cols = gate.shape
     out = gate.new_empty(rows, cols)
-    fn = lib.act_mul_f32 if gate.dtype is torch.float32 else lib.act_mul_bf16
+    fn = variant(lib, "act_mul", gate.dtype)
     fn(
         rows, cols, gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0),
         out.data_ptr(), ACTIVATIONS.index(act),

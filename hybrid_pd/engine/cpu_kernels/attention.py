@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_pd.engine.cpu_kernels.common import check_code, ptr, split_threads
+from hybrid_pd.engine.cpu_kernels.common import check_code, ptr, split_threads, variant
 from hybrid_pd.engine.cpu_kernels.loader import kernel_threads, library, threads_match
 
 
@@ -71,7 +71,7 @@ def decode_attention(
         return None
     width, bs = read.numel() // seqs, cache.shape[2]
     out = q.new_empty(seqs, hq, d)
-    fn = lib.decode_attention_f32 if q.dtype is torch.float32 else lib.decode_attention_bf16
+    fn = variant(lib, "decode_attention", q.dtype)
     code = fn(
         hq, hkv, d, bs, width, q.data_ptr(), q.stride(0), q.stride(1), cache.data_ptr(),
         cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), read.data_ptr(),
@@ -128,7 +128,7 @@ def prompt_attention(
     units = hkv * -(-n // per)
     keys = own + n - int(lo[0])
     out = q.new_empty(n, hq, d)
-    fn = lib.prompt_attention_f32 if q.dtype is torch.float32 else lib.prompt_attention_bf16
+    fn = variant(lib, "prompt_attention", q.dtype)
     code = fn(
         hq, hkv, d, cache.shape[2], n, q.data_ptr(), q.stride(0), q.stride(1),
         cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),

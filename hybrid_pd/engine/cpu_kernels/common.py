@@ -1,11 +1,15 @@
 """What the family modules share: how many threads a call splits over, the checks and
-pointers of optional arguments, and the check of a kernel's return code."""
+pointers of optional arguments, the library once the operands fit, and the check of a
+kernel's return code."""
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Callable
+
 import torch
 
-from hybrid_pd.engine.cpu_kernels.loader import kernel_threads
+from hybrid_pd.engine.cpu_kernels.loader import kernel_threads, library
 
 #: Below this many state elements times tokens a call is not split over threads.
 SPLIT_MIN_WORK = 1 << 20
@@ -26,6 +30,22 @@ def vector_or_none(t: torch.Tensor | None, n: int, dtype: torch.dtype) -> bool:
     return t is None or (
         t.dtype is dtype and t.device.type == "cpu" and t.shape == (n,) and t.is_contiguous()
     )
+
+
+def library_if(fits: bool) -> ctypes.CDLL | None:
+    """The kernels' library when the operands fit the kernel (`fits`, checked first, so a
+    call that cannot use the kernels never loads them) and it loaded; None otherwise: the
+    caller takes its PyTorch path."""
+    return library() if fits else None
+
+
+#: The suffix of a kernel's variant for each element type it takes.
+_VARIANT = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def variant(lib: ctypes.CDLL, kernel: str, dtype: torch.dtype) -> Callable[..., int]:
+    """`kernel`'s entry point for `dtype` in `lib` (`{kernel}_f32` or `{kernel}_bf16`)."""
+    return getattr(lib, f"{kernel}_{_VARIANT[dtype]}")
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

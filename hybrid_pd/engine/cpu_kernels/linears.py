@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from hybrid_pd.engine.cpu_kernels.common import ptr, split_threads, vector_or_none
+from hybrid_pd.engine.cpu_kernels.common import (
+    library_if,
+    ptr,
+    split_threads,
+    variant,
+    vector_or_none,
+)
 from hybrid_pd.engine.cpu_kernels.loader import kernel_threads, library
 
 #: Fewest weight elements a one-row linear splits over threads for.
@@ -30,15 +36,13 @@ def gemv(
     n, k = weight.shape
     if x.shape not in ((1, k), (k,)) or not weight.is_contiguous():
         return None
-    if not vector_or_none(bias, n, x.dtype):
-        return None
-    lib = library()
+    lib = library_if(vector_or_none(bias, n, x.dtype))
     if lib is None:
         return None
     bf16 = x.dtype is torch.bfloat16
     xf = x.reshape(k).float().contiguous() if bf16 else x.reshape(k).contiguous()
     y = x.new_empty((*x.shape[:-1], n))
-    fn = lib.gemv_bf16 if bf16 else lib.gemv_f32
+    fn = variant(lib, "gemv", x.dtype)
     threads = split_threads(n // 64, n * k, _GEMV_SPLIT_MIN)
     fn(k, weight.data_ptr(), xf.data_ptr(), ptr(bias), y.data_ptr(), n, threads)
     return y

@@ -10,8 +10,10 @@ import torch
 from hybrid_pd.engine.cpu_kernels.common import (
     ROWS_SPLIT_MIN,
     check_code,
+    library_if,
     ptr,
     split_threads,
+    variant,
     vector_or_none,
 )
 from hybrid_pd.engine.cpu_kernels.loader import library
@@ -59,7 +61,7 @@ def norm_gate(
         return None
     tokens, heads, dim = x.shape
     out = x.new_empty(tokens, heads, dim)
-    fn = lib.norm_gate_f32 if x.dtype is torch.float32 else lib.norm_gate_bf16
+    fn = variant(lib, "norm_gate", x.dtype)
     code = fn(
         tokens, heads, dim, x.data_ptr(), *x.stride()[:2], z.data_ptr(), *z.stride()[:2],
         weight.data_ptr(), eps, out.data_ptr(),
@@ -89,7 +91,7 @@ def gate_norm(
         return None
     tokens, inner = y.shape
     out = y.new_empty(tokens, inner)
-    fn = lib.gate_norm_f32 if z.dtype is torch.float32 else lib.gate_norm_bf16
+    fn = variant(lib, "gate_norm", z.dtype)
     code = fn(
         tokens, inner, group, y.data_ptr(), y.stride(0), z.data_ptr(), z.stride(0),
         weight.data_ptr(), eps, out.data_ptr(),
@@ -167,9 +169,7 @@ def norm_rope(
             return None
     if cos.stride(0) != sin.stride(0):
         return None
-    if not vector_or_none(weight, dim, torch.float32):
-        return None
-    lib = library()
+    lib = library_if(vector_or_none(weight, dim, torch.float32))
     if lib is None:
         return None
     out = x.new_empty(tokens, heads, dim)

@@ -14,6 +14,7 @@ from hybrid_pd.engine.cpu_kernels.common import (
     ROWS_SPLIT_MIN,
     check_code,
     is_f32,
+    library_if,
     ptr,
     split_threads,
     vector_or_none,
@@ -32,6 +33,14 @@ def _gdn_operands(q, k, v, g, beta, state) -> bool:
     if k.shape != q.shape or v.shape[0] != rows or g.shape != (rows, hv):
         return False
     return beta.shape == g.shape and beta.stride() == g.stride() and hv % hk == 0 and dv <= 1024
+
+
+def _gdn_args(q, k, v, g, beta) -> tuple[int, ...]:
+    """The pointers and strides both gated-delta kernels take after their sizes, in order."""
+    return (
+        q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(),
+        g.data_ptr(), beta.data_ptr(), *g.stride(),
+    )  # fmt: skip
 
 
 def gdn_recurrent(
@@ -59,9 +68,7 @@ def gdn_recurrent(
     out = q.new_empty(n, hv, dv)
 
     code = lib.gdn_recurrent(
-        n, hk, hv, dk, dv,
-        q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(),
-        g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), out.data_ptr(),
+        n, hk, hv, dk, dv, *_gdn_args(q, k, v, g, beta), state.data_ptr(), out.data_ptr(),
         split_threads(hv, n * dk * dv * hv),
     )  # fmt: skip
     check_code("gdn_recurrent", code)
@@ -92,9 +99,7 @@ def gdn_step(
         return None
     out = q.new_empty(seqs, hv, dv)
     code = lib.gdn_step(
-        seqs, hk, hv, dk, dv,
-        q.data_ptr(), *q.stride(), k.data_ptr(), *k.stride(), v.data_ptr(), *v.stride(),
-        g.data_ptr(), beta.data_ptr(), *g.stride(), state.data_ptr(), state.stride(0),
+        seqs, hk, hv, dk, dv, *_gdn_args(q, k, v, g, beta), state.data_ptr(), state.stride(0),
         out.data_ptr(), split_threads(seqs, seqs * hv * dk * dv),
     )  # fmt: skip
     check_code("gdn_step", code)
@@ -239,9 +244,7 @@ def conv_step_silu(
         return None
     if state.stride(2) != 1 or state.stride(1) != kept:
         return None
-    if not vector_or_none(bias, channels, torch.float32):
-        return None
-    lib = library()
+    lib = library_if(vector_or_none(bias, channels, torch.float32))
     if lib is None:
         return None
     out = x.new_empty(seqs, channels)

@@ -56,15 +56,15 @@ class RopeBackbone(nn.Module):
 
 class RopeCausalLM(nn.Module):
     """A causal LM over a `RopeBackbone`: ``model`` and, unless the embedding is tied,
-    ``lm_head``. `settings` carries vocab, hidden, tie, rope and head_dim; `tables` makes the
-    RoPE tables its layers take."""
+    ``lm_head``. `settings` carries vocab, hidden, tie, rope, head_dim and one spec per layer
+    (`specs`); layer i is `layer(settings, i)`; `tables` makes the RoPE tables its layers
+    take."""
 
     def __init__(
         self,
         config: dict,
         settings,
-        num_layers: int,
-        make_layer: Callable[[int], nn.Module],
+        layer: Callable[..., nn.Module],
         make_norm: Callable[[], nn.Module],
         tables: RopeTables,
     ) -> None:
@@ -72,7 +72,13 @@ class RopeCausalLM(nn.Module):
         self.settings = s = settings
         self.config = config
         self.model = RopeBackbone(
-            s.vocab, s.hidden, num_layers, make_layer, make_norm, s.rope, s.head_dim
+            s.vocab,
+            s.hidden,
+            len(s.specs),
+            lambda i: layer(s, i),
+            make_norm,
+            s.rope,
+            s.head_dim,
         )
         self.lm_head = None if s.tie else nn.Linear(s.hidden, s.vocab, bias=False)
         self._tables = tables
@@ -204,3 +210,26 @@ class StackCausalLM(nn.Module):
             return () if any(part in key for part in self.ignored) else ((key, tensor),)
 
         load_checkpoint(self, weights, self.arch, convert)
+
+
+def attention_geometry(arch: str, specs: list[AttentionSpec]) -> tuple[int, int]:
+    """(head_dim, KV heads) that every layer of `specs` shares; ValueError naming `arch`
+    where they disagree."""
+    head_dims = {s.head_dim for s in specs}
+    kv_heads = {s.num_kv_heads for s in specs}
+    if len(head_dims) != 1 or len(kv_heads) != 1:
+        raise ValueError(f"{arch}: layers disagree on head_dim / KV heads")
+    return head_dims.pop(), kv_heads.pop()
+
+
+def routed_experts(
+    arch: str, read: Callable[[str, int], int], experts: int, top_k: int
+) -> tuple[int, int]:
+    """(experts, experts per token) of a mixture of experts whose config names them
+    `num_local_experts` and `num_experts_per_tok` (`read(key, default)` reads one, the
+    defaults given); ValueError naming `arch` when a token would take more than there are."""
+    num_experts = read("num_local_experts", experts)
+    per_token = read("num_experts_per_tok", top_k)
+    if per_token > num_experts:
+        raise ValueError(f"{arch}: num_experts_per_tok exceeds num_local_experts")
+    return num_experts, per_token

@@ -82,6 +82,18 @@ def _add_one_token(out, top_idx, contribution) -> torch.Tensor:
     return out
 
 
+class BackboneLM(nn.Module):
+    """A causal LM of a family's own backbone and an untied head: ``model`` is
+    `backbone(settings)`, ``lm_head`` a [vocab, hidden] linear without bias (`settings`
+    carries hidden and vocab). Modules are made in that order, the checkpoint's."""
+
+    def __init__(self, settings: Any, backbone: Callable[[Any], nn.Module]) -> None:
+        super().__init__()
+        self.settings = settings
+        self.model = backbone(settings)
+        self.lm_head = nn.Linear(settings.hidden, settings.vocab, bias=False)
+
+
 class RMSNorm(nn.Module):
     """RMS norm; `offset=1.0` gives the (1 + weight) form (Gemma, Qwen3.5) with zero init.
 

@@ -29,6 +29,7 @@ interleaving undone once, at load). MXFP4-quantized checkpoints (``*_blocks`` /
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import RotaryAttention, head_sizes, sliding_window
-from hybrid_pd.engine.models.backbone import RopeCausalLM
+from hybrid_pd.engine.models.backbone import RopeCausalLM, attention_geometry, routed_experts
 from hybrid_pd.engine.models.common import (
     RMSNorm,
     add_routed,
@@ -75,10 +76,7 @@ class _Settings:
         self.hidden = _int(c, "hidden_size", 2880)
         self.intermediate = _int(c, "intermediate_size", 2880)
         self.num_heads = _int(c, "num_attention_heads", 64)
-        self.num_experts = _int(c, "num_local_experts", 128)
-        self.top_k = _int(c, "num_experts_per_tok", 4)
-        if self.top_k > self.num_experts:
-            raise ValueError(f"{_ARCH}: num_experts_per_tok exceeds num_local_experts")
+        self.num_experts, self.top_k = routed_experts(_ARCH, partial(_int, c), 128, 4)
         self.eps = float(c.get("rms_norm_eps") or 1e-5)
         self.alpha = float(c.get("swiglu_alpha") or 1.702)
         self.limit = float(c.get("swiglu_limit") or 7.0)
@@ -94,11 +92,7 @@ class _Settings:
         specs = cache_spec_from_config(dict(config), dtype="float32").layers
         n = _int(c, "num_hidden_layers", 36)
         self.specs: list[AttentionSpec] = [specs[f"model.layers.{i}"] for i in range(n)]
-        head_dims = {s.head_dim for s in self.specs}
-        kv_heads = {s.num_kv_heads for s in self.specs}
-        if len(head_dims) != 1 or len(kv_heads) != 1:
-            raise ValueError(f"{_ARCH}: layers disagree on head_dim / KV heads")
-        self.head_dim, self.num_kv_heads = head_dims.pop(), kv_heads.pop()
+        self.head_dim, self.num_kv_heads = attention_geometry(_ARCH, self.specs)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"{_ARCH}: num_attention_heads {self.num_heads} is not a multiple of "
@@ -173,14 +167,7 @@ class GptOssForCausalLM(RopeCausalLM):
 
     def __init__(self, config: dict) -> None:
         s = _Settings(config)
-        super().__init__(
-            config,
-            s,
-            len(s.specs),
-            lambda i: DecoderLayer(s, i),
-            lambda: RMSNorm(s.hidden, s.eps),
-            cos_sin,
-        )
+        super().__init__(config, s, DecoderLayer, lambda: RMSNorm(s.hidden, s.eps), cos_sin)
 
     def convert(self, key: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]):
         if key.endswith(_QUANTIZED_SUFFIXES):

@@ -23,6 +23,7 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import AttentionProjections
 from hybrid_pd.engine.models.common import (
+    BackboneLM,
     RMSNorm,
     Rotary,
     act_times,
@@ -285,12 +286,9 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(s.hidden, s.eps)
 
 
-class GraniteMoeHybridForCausalLM(nn.Module):
+class GraniteMoeHybridForCausalLM(BackboneLM):
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        self.settings = s = _Settings(config)
-        self.model = _Backbone(s)
-        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        super().__init__(_Settings(config), _Backbone)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.model.embed_tokens(batch.input_ids) * self.settings.embedding_multiplier

@@ -37,6 +37,7 @@ parameters here keep those names but hold the expert matrices as [E, out, in] (t
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from torch import nn
 
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import AttentionProjections, head_sizes
-from hybrid_pd.engine.models.backbone import RopeCausalLM
+from hybrid_pd.engine.models.backbone import RopeCausalLM, attention_geometry, routed_experts
 from hybrid_pd.engine.models.common import (
     GatedMLP,
     RMSNorm,
@@ -88,10 +89,7 @@ class _Settings:
         self.intermediate = _int(c, "intermediate_size", 8192)
         self.intermediate_mlp = _int(c, "intermediate_size_mlp", 16384)
         self.num_heads = _int(c, "num_attention_heads", 40)
-        self.num_experts = _int(c, "num_local_experts", 16)
-        self.top_k = _int(c, "num_experts_per_tok", 1)
-        if self.top_k > self.num_experts:
-            raise ValueError(f"{_ARCH}: num_experts_per_tok exceeds num_local_experts")
+        self.num_experts, self.top_k = routed_experts(_ARCH, partial(_int, c), 16, 1)
         self.eps = float(c.get("rms_norm_eps") or 1e-5)
         self.act = c.get("hidden_act") or "silu"
         activation(self.act)  # unknown activations fail here, at construction
@@ -111,11 +109,7 @@ class _Settings:
         self.rope = rope_settings(c, _ARCH)
         specs = cache_spec_from_config(dict(config), dtype="float32").layers
         self.specs: list[AttentionSpec] = [specs[f"model.layers.{i}"] for i in range(n)]
-        head_dims = {s.head_dim for s in self.specs}
-        kv_heads = {s.num_kv_heads for s in self.specs}
-        if len(head_dims) != 1 or len(kv_heads) != 1:
-            raise ValueError(f"{_ARCH}: layers disagree on head_dim / KV heads")
-        self.head_dim, self.num_kv_heads = head_dims.pop(), kv_heads.pop()
+        self.head_dim, self.num_kv_heads = attention_geometry(_ARCH, self.specs)
         # Llama4TextConfig's own rules (an absent head_dim is 128, an absent KV head count 8)
         # differ from the planner's generic ones: refuse a config where they disagree.
         want_dim = c.get("head_dim", 128) or self.hidden // self.num_heads
@@ -284,8 +278,7 @@ class Llama4ForCausalLM(RopeCausalLM):
         super().__init__(
             config,
             s,
-            len(s.specs),
-            lambda i: DecoderLayer(s, i),
+            DecoderLayer,
             lambda: RMSNorm(s.hidden, s.eps, scale_after_cast=True),
             _pair_tables,
         )

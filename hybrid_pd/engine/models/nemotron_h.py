@@ -44,6 +44,7 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import PagedSelfAttention
 from hybrid_pd.engine.models.common import (
+    BackboneLM,
     RMSNorm,
     activation,
     add_routed,
@@ -264,12 +265,9 @@ class _Backbone(nn.Module):
         self.norm_f = RMSNorm(s.hidden, s.eps)
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(BackboneLM):
     def __init__(self, config: dict) -> None:
-        super().__init__()
-        self.settings = s = _Settings(config)
-        self.model = _Backbone(s)
-        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        super().__init__(_Settings(config), _Backbone)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         embed = self.model.embeddings

@@ -5,6 +5,19 @@ from __future__ import annotations
 
 from typing import Any
 
+#: The Mamba2 mixer Granite 4.0-H and Bamba publish alike: 128 heads of 64, state 128.
+_MAMBA2_128_HEADS: dict[str, Any] = {
+    "mamba_chunk_size": 256,
+    "mamba_conv_bias": True,
+    "mamba_d_conv": 4,
+    "mamba_d_head": 64,
+    "mamba_d_state": 128,
+    "mamba_expand": 2,
+    "mamba_n_groups": 1,
+    "mamba_n_heads": 128,
+    "mamba_proj_bias": False,
+}
+
 MAMBA_HYBRIDS: dict[str, dict[str, Any]] = {
     "ibm-granite/granite-4.0-h-small": {
         "architectures": ["GraniteMoeHybridForCausalLM"],
@@ -12,15 +25,7 @@ MAMBA_HYBRIDS: dict[str, dict[str, Any]] = {
         "hidden_size": 4096,
         "intermediate_size": 768,
         "layer_types": ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
-        "mamba_chunk_size": 256,
-        "mamba_conv_bias": True,
-        "mamba_d_conv": 4,
-        "mamba_d_head": 64,
-        "mamba_d_state": 128,
-        "mamba_expand": 2,
-        "mamba_n_groups": 1,
-        "mamba_n_heads": 128,
-        "mamba_proj_bias": False,
+        **_MAMBA2_128_HEADS,
         "max_position_embeddings": 131072,
         "num_attention_heads": 32,
         "num_experts_per_tok": 10,
@@ -40,15 +45,7 @@ MAMBA_HYBRIDS: dict[str, dict[str, Any]] = {
         "hidden_act": "silu",
         "hidden_size": 4096,
         "intermediate_size": 14336,
-        "mamba_chunk_size": 256,
-        "mamba_conv_bias": True,
-        "mamba_d_conv": 4,
-        "mamba_d_head": 64,
-        "mamba_d_state": 128,
-        "mamba_expand": 2,
-        "mamba_n_groups": 1,
-        "mamba_n_heads": 128,
-        "mamba_proj_bias": False,
+        **_MAMBA2_128_HEADS,
         "max_position_embeddings": 262144,
         "num_attention_heads": 32,
         "num_hidden_layers": 32,

@@ -58,6 +58,19 @@
         }                                                                                     \
     }
 
+/* CALL(N) with N a constant where `n` is one of the common head / state sizes (64, 128), so
+ * that the callee's loops over it have a known length, else CALL(n). */
+#define WITH_COMMON_SIZE(n, CALL)                                                             \
+    do {                                                                                      \
+        if ((n) == 64) {                                                                      \
+            CALL(64);                                                                         \
+        } else if ((n) == 128) {                                                              \
+            CALL(128);                                                                        \
+        } else {                                                                              \
+            CALL(n);                                                                          \
+        }                                                                                     \
+    } while (0)
+
 /* Partial sums of the reductions over a row (a state row's read-out, a sum of squares, a
  * one-row linear): vector lanes, each over its elements in order, added in a fixed order. */
 #define LANES 16

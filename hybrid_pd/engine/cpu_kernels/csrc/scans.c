@@ -91,12 +91,7 @@ static void gdn_range(int n, int hk, int hv, int dk, int dv, int h0, int h1, con
 #define GDN_CALL(DV)                                                                      \
     gdn_heads(n, hk, hv, dk, DV, h0, h1, q, qsn, qsh, qsd, k, ksn, ksh, ksd, v, vsn, vsh, \
               vsd, g, beta, gsn, gsh, state, out)
-    if (dv == 64)
-        GDN_CALL(64);
-    else if (dv == 128)
-        GDN_CALL(128);
-    else
-        GDN_CALL(dv);
+    WITH_COMMON_SIZE(dv, GDN_CALL);
 #undef GDN_CALL
 }
 
@@ -311,13 +306,9 @@ int ssd_step(int seqs, int heads, int hd, int ns, int groups,
     ssd_rows(nr, heads, hd, NS, groups, state + r0 * ss, ss, sh, sp, x + r0 * xs, xs, xh, \
              xp, dt + r0 * ds, ds, dh, a, b + r0 * bs, c + r0 * bs, bs, bg,               \
              y + (size_t)r0 * heads * hd)
-    if (ns == 64) {
-        SPLIT_ROWS(seqs, SSD_CALL(64);)
-    } else if (ns == 128) {
-        SPLIT_ROWS(seqs, SSD_CALL(128);)
-    } else {
-        SPLIT_ROWS(seqs, SSD_CALL(ns);)
-    }
+#define SSD_SPLIT(NS) SPLIT_ROWS(seqs, SSD_CALL(NS);)
+    WITH_COMMON_SIZE(ns, SSD_SPLIT);
+#undef SSD_SPLIT
 #undef SSD_CALL
     return 0;
 }
@@ -359,12 +350,7 @@ static void ssd_range(int seqs, const int *lengths, int heads, int hd, int ns, i
 #define SCAN_CALL(NS)                                                                      \
     ssd_heads(seqs, lengths, heads, hd, NS, groups, h0, h1, state, x, xt, xh, xp, dt, dtt, \
               dth, a, b, c, bt, bg, y)
-    if (ns == 64)
-        SCAN_CALL(64);
-    else if (ns == 128)
-        SCAN_CALL(128);
-    else
-        SCAN_CALL(ns);
+    WITH_COMMON_SIZE(ns, SCAN_CALL);
 #undef SCAN_CALL
 }
 
