@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from hybrid_pd.api.ids import EngineId, RequestId
 from hybrid_pd.api.wire import same_named
-from hybrid_pd.kvcache.ids import EngineId, RequestId
 from hybrid_pd.proto import worker_pb2 as pb
 
 #: Fields that must be non-empty strings.

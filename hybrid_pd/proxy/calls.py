@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid_pd.api.ids import RequestId
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import SamplingParams
 from hybrid_pd.api.wire import sampling_to_pb
-from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proxy.worker_client import PrefillResult
 

@@ -9,7 +9,7 @@ import threading
 
 import grpc
 
-from hybrid_pd.kvcache.ids import RequestId
+from hybrid_pd.api.ids import RequestId
 from hybrid_pd.proxy.errors import ProxyError
 from hybrid_pd.proxy.routing import WorkerPool, WorkerState
 

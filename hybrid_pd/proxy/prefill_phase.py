@@ -14,8 +14,8 @@ import time
 
 import grpc
 
+from hybrid_pd.api.ids import RequestId
 from hybrid_pd.api.params import KVTransferParams
-from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.proxy.calls import prepare_decode_request, prepare_prefill_request
 from hybrid_pd.proxy.errors import ProxyError, overloaded
 from hybrid_pd.proxy.legs import BACKOFF_CAP_S, BACKOFF_S, FULL, Leg, wait_grpc_future

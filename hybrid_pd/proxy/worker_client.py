@@ -9,10 +9,10 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
+from hybrid_pd.api.ids import RequestId
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.sampling import TokenLogprob
 from hybrid_pd.api.wire import logprob_from_pb
-from hybrid_pd.kvcache.ids import RequestId
 from hybrid_pd.proto import worker_pb2 as pb
 from hybrid_pd.proto import worker_pb2_grpc as pb_grpc
 

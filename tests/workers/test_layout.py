@@ -83,3 +83,25 @@ def test_the_scan_catches_a_role_import():
     tree = ast.parse("def f():\n    from hybrid_pd.decode_worker.role import DecodeRole\n")
     names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert any(_under(n, ROLES) for n in names)
+
+
+def _reaches_outside(package: str, allowed: tuple[str, ...]) -> dict[str, list[str]]:
+    """Our modules that `package` imports outside `allowed` (itself always allowed)."""
+    ours = tuple(f"hybrid_pd.{p}" for p in (package, *allowed))
+    out = {}
+    for path in sorted((PACKAGE / package).rglob("*.py")):
+        bad = {
+            n
+            for n, _ in _imports(path)
+            if _under(n, ("hybrid_pd",)) and n != "hybrid_pd" and not _under(n, ours)
+        }
+        if bad:
+            out[str(path.relative_to(PACKAGE.parent))] = sorted(bad)
+    return out
+
+
+def test_the_proxy_api_and_kvcache_keep_to_their_imports():
+    """proxy/ reaches proto/ and api/ only; api/ proto/ only; kvcache/ nothing of ours."""
+    assert _reaches_outside("proxy", ("proto", "api")) == {}
+    assert _reaches_outside("api", ("proto",)) == {}
+    assert _reaches_outside("kvcache", ()) == {}
