@@ -27,6 +27,7 @@ from hybrid_pd.api.signing import sign
 from hybrid_pd.connector import faults, timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.prefill_read import ReadConfirms
 from hybrid_pd.connector.prefill_stage import Progress, PullResult, Stage, Staging, remember
 from hybrid_pd.connector.segments import PagedPlan, TransferPlan, group_regions, split_iov
 from hybrid_pd.connector.tp_plan import ShardedPlan
@@ -101,8 +102,9 @@ class _Sending:
     messages: list = field(default_factory=list)
 
 
-class PrefillConnector(Staging):
-    """Implements SupportsHMA for the prefill role (and the staged half, `Staging`)."""
+class PrefillConnector(Staging, ReadConfirms):
+    """Implements SupportsHMA for the prefill role (and the staged half, `Staging`; the
+    one-sided reads' half, `ReadConfirms`)."""
 
     def __init__(
         self,
@@ -173,7 +175,9 @@ class PrefillConnector(Staging):
             "staged_pulls": 0,
             "staged_bytes": 0,
             "staged_void": 0,  # staged sends whose blocks were freed meanwhile
+            "read_pulls": 0,  # pulls decode read one-sided (confirmed here; none sent)
         }
+        self._init_reads()
 
     # -- SupportsHMA ------------------------------------------------------------------------
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
