@@ -203,7 +203,7 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         memory = None
         if diff is None and self.prefill is not None:  # mapped at the first handshake
             memory = await asyncio.get_running_loop().run_in_executor(
-                self._sends, self.prefill.remote_memory
+                None, self.prefill.remote_memory
             )
         return pb.HandshakeReply(
             ok=diff is None,

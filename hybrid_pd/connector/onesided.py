@@ -189,7 +189,7 @@ def read_pull(
                 f"prefill worker {params.control_address} failed during {what} "
                 f"(one-sided read): {e}"
             ) from e
-    timeline.stamp(rid, "bytes_arrived")
+    timeline.stamp(rid, "reads_done")
     try:
         reply = peer.stub.PullKV(
             request(read_done=True), timeout=conn.timeout_s, metadata=conn._metadata
@@ -200,6 +200,7 @@ def read_pull(
             f"prefill worker {params.control_address} failed during {what}: {rpc_error(e)}"
         ) from e
     timeline.stamp(rid, "pull_replied")
+    timeline.stamp(rid, "bytes_arrived")  # confirmed: the bytes read are the KV
     nbytes = int(rows[:, NBYTES].sum()) if len(rows) else 0
     if reply.ok and reply.bytes != nbytes:
         raise TransferFailed(f"read {nbytes} bytes, the prefill worker counts {reply.bytes}")
