@@ -22,6 +22,7 @@ pools cannot be mapped (GPU pools for now) or whose plan has no `read_pieces`.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -62,11 +63,11 @@ class Exposure:
 
     def describe(self) -> pb.RemoteMemory | None:
         """The HandshakeReply's remote_memory; None when this worker offers none (turned
-        off, a fault injected that needs the sends, or memory UCX cannot map)."""
+        off, or memory UCX cannot map)."""
         with self._lock:
             if not self._done:
                 self._done = True
-                if enabled() and faults.FAULT != "zero_sends" and self._transport is not None:
+                if enabled() and self._transport is not None:
                     try:
                         self._msg = _expose(self._transport, self._regions())
                     except Exception as e:
@@ -189,6 +190,9 @@ def read_pull(
                 f"prefill worker {params.control_address} failed during {what} "
                 f"(one-sided read): {e}"
             ) from e
+    if faults.zeroed(rid):  # the negative control: what arrived is zeros
+        for local_address, n in rows[:, [LOCAL, NBYTES]].tolist():
+            ctypes.memset(local_address, 0, n)
     timeline.stamp(rid, "reads_done")
     try:
         reply = peer.stub.PullKV(
