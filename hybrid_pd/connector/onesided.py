@@ -54,7 +54,14 @@ class Exposure:
     """The prefill side's memory as peers may read it, mapped once (thread-safe, lazy:
     the engine makes its pool after the connector exists)."""
 
-    def __init__(self, transport, regions: Callable[[], list[tuple[int, int]] | None]) -> None:
+    def __init__(
+        self,
+        transport,
+        regions: Callable[[], list[tuple[int, int]] | None],
+        on: bool | None = None,
+    ) -> None:
+        """`on`: offer the memory (default: unless HYBRID_PD_UCX_ONESIDED=0)."""
+        self._on = enabled() if on is None else on
         self._transport = transport
         self._regions = regions
         self._lock = threading.Lock()
@@ -67,7 +74,7 @@ class Exposure:
         with self._lock:
             if not self._done:
                 self._done = True
-                if enabled() and self._transport is not None:
+                if self._on and self._transport is not None:
                     try:
                         self._msg = _expose(self._transport, self._regions())
                     except Exception as e:
@@ -112,9 +119,9 @@ class RemoteMemory:
 
     @classmethod
     def from_pb(cls, reply: pb.HandshakeReply) -> RemoteMemory | None:
-        """What `reply` offers; None when it offers nothing, one-sided reads are off here,
-        or its owner runs on this host but cannot be watched (never read blindly there)."""
-        if not enabled() or not reply.HasField("remote_memory"):
+        """What `reply` offers; None when it offers nothing, or its owner runs on this
+        host but cannot be watched (never read blindly there)."""
+        if not reply.HasField("remote_memory"):
             return None
         m = reply.remote_memory
         if not m.regions or any(r.key >= len(m.rkeys) for r in m.regions):

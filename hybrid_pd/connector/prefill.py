@@ -121,6 +121,7 @@ class PrefillConnector(Staging, ReadConfirms):
         clock: Callable[[], float] = time.monotonic,
         shard_buffers: Callable[[], Sequence] | None = None,
         secret: str | None = None,
+        one_sided: bool | None = None,
     ) -> None:
         """`free_blocks(request_id)` frees a kept request in the engine (thread-safe);
         `region(first_block, n)` returns the contiguous tensor of n blocks of our engine's
@@ -134,7 +135,8 @@ class PrefillConnector(Staging, ReadConfirms):
 
         `secret`: the control plane's shared secret; the params handed out are then signed
         with it (valid for the lease), so decode servers that were never told of this one
-        may pull from it (`api.signing`)."""
+        may pull from it (`api.signing`). `one_sided`: offer decode workers this worker's
+        memory to read (`connector.onesided`; default: unless HYBRID_PD_UCX_ONESIDED=0)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
@@ -177,7 +179,7 @@ class PrefillConnector(Staging, ReadConfirms):
             "staged_void": 0,  # staged sends whose blocks were freed meanwhile
             "read_pulls": 0,  # pulls decode read one-sided (confirmed here; none sent)
         }
-        self._init_reads()
+        self._init_reads(one_sided)
 
     # -- SupportsHMA ------------------------------------------------------------------------
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):

@@ -33,10 +33,11 @@ class ReadConfirms:
     transport: object
     layout: KVLayout
 
-    def _init_reads(self) -> None:
+    def _init_reads(self, one_sided: bool | None) -> None:
         self._exposure = Exposure(
             self.transport,
             lambda: prefill_regions(self._plan, self._shard_buffers, self.layout.tp_size),
+            one_sided,
         )
 
     def remote_memory(self):
