@@ -86,3 +86,24 @@ def test_map_memory_needs_a_started_transport():
     t = UcxTransport(ucx_options=OPTIONS)
     with pytest.raises(TransferError, match="not started"):
         t.map_memory(0, 1)
+
+
+def test_pieces_outside_the_peers_memory_are_refused_before_any_read():
+    """A piece the peer did not offer (another region, before or past one) never becomes a
+    read: the plan's block ids are checked against the sizes the handshake gave."""
+    from hybrid_pd.connector.onesided import RemoteMemory
+
+    remote = RemoteMemory(
+        np.array([1 << 20, 1 << 30], dtype=np.uint64),
+        np.array([4 * PAGE, 2 * PAGE], dtype=np.int64),
+        np.array([0, 1], dtype=np.int64),
+        (b"k0", b"k1"),
+    )
+    dst = np.array([5000, 6000], dtype=np.uint64)
+    rows = remote.rows(np.array([[0, 3 * PAGE, PAGE], [1, 0, 2 * PAGE]]), dst)
+    assert rows[:, REMOTE].tolist() == [(1 << 20) + 3 * PAGE, 1 << 30]
+    assert rows[:, KEY].tolist() == [0, 1] and rows[:, LOCAL].tolist() == [5000, 6000]
+    assert rows[:, NBYTES].tolist() == [PAGE, 2 * PAGE]
+    for bad in ([0, 3 * PAGE, 2 * PAGE], [1, -PAGE, PAGE], [2, 0, PAGE], [-1, 0, PAGE]):
+        with pytest.raises(ValueError, match="outside"):
+            remote.rows(np.array([bad]), dst[:1])
