@@ -31,6 +31,10 @@ _MAP_PARAM_BYTES = 128  # > sizeof(ucp_mem_map_params_t) (48 in UCX 1.21)
 #: peer, bytes, index of the peer's remote key.
 LOCAL, REMOTE, NBYTES, KEY = range(4)
 
+#: Rounds of worker progress without a read finishing before the loop thread leaves the
+#: rest to ucxx's progress thread (`RemoteReads._progress_reads`).
+READ_PROGRESS_ROUNDS = 64
+
 
 class RmaCalls:
     """ctypes bindings of the libucp calls for one-sided reads (the library ucxx loaded)."""
@@ -45,6 +49,7 @@ class RmaCalls:
             "ucp_ep_rkey_unpack": ([vp, vp, vp], st),
             "ucp_rkey_destroy": ([vp], None),
             "ucp_get_nbx": ([vp, vp, sz, u64, vp, vp], vp),
+            "ucp_worker_progress": ([vp], ctypes.c_uint),
         }
         for name, (args, res) in sig.items():
             fn = getattr(lib, name)
@@ -53,6 +58,7 @@ class RmaCalls:
         self.rkey_pack, self.rkey_buffer_release = lib.ucp_rkey_pack, lib.ucp_rkey_buffer_release
         self.rkey_unpack, self.rkey_destroy = lib.ucp_ep_rkey_unpack, lib.ucp_rkey_destroy
         self.get = lib.ucp_get_nbx
+        self.progress = lib.ucp_worker_progress
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,7 @@ class RemoteReads:
             await self._unposted(op)
             raise TransferError(f"UCX read failed to start: {e}") from e
         self._posted(op)
+        self._progress_reads(op)
         error = await self._wait_op(op, timeout)
         if error is not None:
             await self._settle(op)
@@ -172,6 +179,22 @@ class RemoteReads:
         if op in self._ops:
             self._ops.discard(op)
             self._count("messages_read", len(sizes), "bytes_read", sum(sizes))
+
+    def _progress_reads(self, op) -> None:
+        """Progress the worker from this (the loop) thread right after posting, so that a
+        read UCX does locally (CMA: a `process_vm_readv` per piece) is copied here and now,
+        not when ucxx's progress thread next wakes and gets a core, and its completion is
+        seen without the poller's timer: on a loaded machine each of those hops was where
+        a read's time went. The worker is in UCS_THREAD_MODE_MULTI, so progressing it from
+        two threads is allowed. Stops after READ_PROGRESS_ROUNDS rounds without news (a
+        read that needs the peer, over TCP): the poller then waits for it as usual."""
+        progress, wh = _calls(self._ucx).progress, self._worker.handle
+        idle = 0
+        while op.pending and idle < READ_PROGRESS_ROUNDS:
+            progress(wh)
+            idle = 0 if self._poll_op(op, True) else idle + 1
+        if not op.pending:
+            self._polled.discard(op)
 
     async def _forget_async(self, peer: bytes) -> None:
         self._rkeys.drop(peer)  # keys die before their endpoint
