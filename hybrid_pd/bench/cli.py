@@ -61,6 +61,12 @@ def _add_transfer_parser(bsub: argparse._SubParsersAction) -> None:
         action="store_false",
         help="one UCX message per run of blocks (the hand-over before scatter-gather messages)",
     )
+    t.add_argument(
+        "--two-sided",
+        dest="one_sided",
+        action="store_false",
+        help="the prefill side sends (the hand-over before one-sided reads)",
+    )
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_bench_transfer)
 
@@ -79,6 +85,7 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
         churn=args.churn,
         seed=args.seed,
         scatter_gather=args.scatter_gather,
+        one_sided=args.one_sided,
     )
     print(json.dumps(result, indent=2) if args.json else _transfer_summary(result))
     return 0

@@ -76,7 +76,9 @@ def _pool(config: KVCacheConfig, max_len: int, churn: int, seed: int, role: str)
     return kv, n_blocks
 
 
-def _prefill_child(conn, model: str, max_len: int, ucx: dict, churn: int, seed: int) -> None:
+def _prefill_child(
+    conn, model: str, max_len: int, ucx: dict, churn: int, seed: int, one_sided: bool
+) -> None:
     torch.set_num_threads(1)
     config, _ = _config(model, max_len)
     kv, n_blocks = _pool(config, max_len, churn, seed, "prefill")
@@ -95,6 +97,7 @@ def _prefill_child(conn, model: str, max_len: int, ucx: dict, churn: int, seed: 
         free_blocks=lambda rid: kv.free(RequestId(rid)),
         region=PoolRegions(lambda: pool),
         transport=transport,
+        one_sided=one_sided,
     )
     servicer = KVControlServicer("bench-prefill", layout, transport.address, conn_)
     server.add(lambda s: kv_control_pb2_grpc.add_KVControlServicer_to_server(servicer, s))
@@ -167,10 +170,13 @@ def bench_transfer(
     churn: int = 0,
     seed: int = 0,
     scatter_gather: bool = True,
+    one_sided: bool = True,
 ) -> dict[str, Any]:
     """Bandwidth rows per length (see the module docstring). `messages_per_request` is the
-    mean over the repeats; `leaked_blocks` counts blocks the measured requests left held.
-    `scatter_gather`: the decode side packs regions into scatter-gather messages."""
+    mean over the repeats (reads, for one-sided pulls); `leaked_blocks` counts blocks the
+    measured requests left held. `scatter_gather`: the decode side packs regions into
+    scatter-gather messages (two-sided). `one_sided`: decode reads the blocks itself
+    (`connector.onesided`), else the prefill side sends them."""
     max_len = max(lengths)
     config, spec = _config(model, max_len)
     ucx = {"NET_DEVICES": "lo"}
@@ -179,7 +185,9 @@ def bench_transfer(
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=_prefill_child, args=(child, model, max_len, ucx, churn, seed), daemon=True
+        target=_prefill_child,
+        args=(child, model, max_len, ucx, churn, seed, one_sided),
+        daemon=True,
     )
     proc.start()
     transport = UcxTransport(ucx_options=ucx)
@@ -198,6 +206,7 @@ def bench_transfer(
             region=PoolRegions(lambda: pool),
             timeout_s=_TIMEOUT,
             scatter_gather=scatter_gather,
+            one_sided=one_sided,
         )
         try:
             off = plan_groups(spec, hma=False, block_size=config.block_size)
@@ -258,6 +267,8 @@ def bench_transfer(
             "ucx": ucx,
             "churn": churn,
             "scatter_gather": scatter_gather,
+            # whether the pulls were read one-sided (the transport's counters say)
+            "one_sided": transport.stats()["messages_read"] > 0,
             "prefix_caching": churn > 0,
             "hma_off_error": None if off else "state layers: the model cannot run with HMA off",
             "runs": rows[1:],

@@ -179,6 +179,11 @@ class KVControlServicer(pb_grpc.KVControlServicer):
             logger.warning("refused handshake from %s: %s", request.engine_id, diff)
         elif request.ucx_address and self.prefill is not None:
             self._connect(request.ucx_address)
+        memory = None
+        if diff is None and self.prefill is not None:  # mapped at the first handshake
+            memory = await asyncio.get_running_loop().run_in_executor(
+                None, self.prefill.remote_memory
+            )
         return pb.HandshakeReply(
             ok=diff is None,
             error=diff or "",
@@ -186,6 +191,7 @@ class KVControlServicer(pb_grpc.KVControlServicer):
             layout=layout_to_pb(self.layout),
             ucx_address=self.ucx_address,
             scatter_gather=True,
+            remote_memory=memory,
         )
 
     def _connect(self, peer: bytes) -> None:
@@ -210,6 +216,8 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         dst = [list(g.ids) for g in request.dst_blocks]
         dst_layout = layout_from_pb(request.dst_layout) if request.HasField("dst_layout") else None
         rid = RequestId(request.request_id)
+        if request.read_done:
+            return await self._confirm_read(request, rid, dst, dst_layout, timeout)
         if request.stage_epoch:
             send = partial(
                 self.prefill.pull_stage,
@@ -256,6 +264,32 @@ class KVControlServicer(pb_grpc.KVControlServicer):
                 )
         except Exception as e:  # reported to the caller; the lease stays until released
             logger.warning("pull of %s failed: %s", request.request_id, e)
+            return pb.PullReply(ok=False, error=str(e))
+        return pb.PullReply(ok=True, bytes=res.bytes, messages=res.messages)
+
+    async def _confirm_read(self, request, rid, dst, dst_layout, timeout: float):
+        """PullKV with read_done: decode read the blocks one-sided; confirm they were kept."""
+        try:
+            if request.stage_epoch:
+                res = self.prefill.confirm_stage_read(
+                    rid,
+                    request.transfer_token,
+                    request.stage_epoch,
+                    list(request.skip_blocks),
+                    list(request.stage_end),
+                    dst,
+                    dst_layout,
+                )
+            else:
+                wait = self.prefill.keep_wait(timeout)  # vLLM keeps at its next step
+                if wait > 0:
+                    settled = partial(self.prefill.settled, rid)
+                    await until(self.prefill.watchers, rid, lambda: (settled(), None), wait)
+                res = self.prefill.confirm_read(
+                    rid, request.transfer_token, dst, list(request.skip_blocks), dst_layout
+                )
+        except TransferFailed as e:
+            logger.warning("one-sided pull of %s refused: %s", request.request_id, e)
             return pb.PullReply(ok=False, error=str(e))
         return pb.PullReply(ok=True, bytes=res.bytes, messages=res.messages)
 

@@ -5,8 +5,10 @@ on this connector's own threads and its end is reported through `get_finished` b
 (the connector's worker side, after vLLM's KVConnectorBase_V1):
 
 handshake (once per prefill worker: layouts must match)
-post UCX receives straight into the destination runs
-PullKV over gRPC (prefill sends the runs) → wait for the receives → Release
+one-sided (the prefill worker offers its memory, `onesided`): read the runs straight into
+    the destination runs → PullKV(read_done): the prefill worker confirms → Release
+two-sided (`decode_recv`): post UCX receives straight into the destination runs →
+    PullKV (prefill sends the runs) → wait for the receives → Release
 
 Staged params (the proxy sent them while the prefill still runs): `decode_stage.StagedLoads`
 follows the prefill, a state advanced by Progress replies, pulling final attention blocks as
@@ -26,11 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from hybrid_pd.api.params import KVTransferParams
-from hybrid_pd.connector import timeline
+from hybrid_pd.connector import onesided, timeline
 from hybrid_pd.connector.admission import Admission
 from hybrid_pd.connector.base import LoadResult, TransferFailed
 from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
 from hybrid_pd.connector.decode_peer import Peer, Refused, TransferStats, rpc_error
+from hybrid_pd.connector.decode_recv import TwoSidedPulls
 from hybrid_pd.connector.decode_stage import StagedLoads
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.segments import (
@@ -38,9 +41,6 @@ from hybrid_pd.connector.segments import (
     MESSAGE_MAX_REGIONS,
     PagedPlan,
     TransferPlan,
-    group_regions,
-    pack_messages,
-    split_iov,
 )
 from hybrid_pd.connector.tp_plan import ShardedPlan
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID, EngineId, RequestId
@@ -52,7 +52,7 @@ __all__ = ["DecodeConnector", "TransferStats"]
 logger = logging.getLogger(__name__)
 
 
-class DecodeConnector:
+class DecodeConnector(TwoSidedPulls):
     def __init__(
         self,
         *,
@@ -70,6 +70,7 @@ class DecodeConnector:
         message_max_regions: int = MESSAGE_MAX_REGIONS,
         max_staged_loads: int = 64,
         shard_buffers: Callable[[], Sequence] | None = None,
+        one_sided: bool | None = None,
     ) -> None:
         """`peers`: control addresses of the prefill workers this worker may dial (more
         come through `add_peers`); kv_transfer_params naming any other address fail unless
@@ -80,12 +81,15 @@ class DecodeConnector:
         that take it); off: one message per region. `shard_buffers()`: this worker's
         ranks' pools, rank order (a tensor-parallel worker, or any worker pulling from
         one: `connector.tp_plan`). `max_staged_loads`: staged loads followed at once (more
-        wait their turn; none holds a thread while its prefill runs)."""
+        wait their turn; none holds a thread while its prefill runs). `one_sided`: read
+        from peers that offer their memory (`connector.onesided`; default: unless
+        HYBRID_PD_UCX_ONESIDED=0)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
         self.layout = layout
         self.transport = transport
+        self.one_sided = onesided.enabled() if one_sided is None else one_sided
         self._plan = plan if plan is not None else PagedPlan(region, layout.page_size_bytes)
         self._shard_buffers = shard_buffers
         self._metadata = call_metadata(secret)
@@ -270,6 +274,7 @@ class DecodeConnector:
             reply.scatter_gather,
             peer_layout,
             self._plan_with(peer_layout),
+            onesided.RemoteMemory.from_pb(reply) if self.one_sided else None,
         )
         with self._lock:
             kept = self._peers.setdefault(address, peer)
@@ -294,26 +299,6 @@ class DecodeConnector:
         if self._shard_buffers is None:
             raise TransferFailed("a tensor-parallel peer needs this worker's pools in rank order")
         return ShardedPlan(peer_layout, self.layout, self._shard_buffers)
-
-    def _messages(self, peer: Peer, runs: Sequence) -> tuple[list, list[int]]:
-        """(the transport's messages to receive into, the packing the prefill side is told:
-        regions per message, or [] for one message per region)."""
-        packs = self.scatter_gather and peer.scatter_gather
-        plan = peer.plan or self._plan
-        if packs and isinstance(plan, (PagedPlan, ShardedPlan)) and len(runs):
-            found = plan.iov(runs, "dst")  # pools: rows, not a tensor per run
-            if found is not None:
-                iov, pool = found
-                packing = self._pack(iov[:, 1].tolist())
-                return split_iov(iov, pool, packing), packing
-        regions = plan.dst_regions(runs)
-        if not packs or len(regions) < 2 or any(r.device.type != "cpu" for r in regions):
-            return regions, []  # scatter-gather between GPUs is not checked yet
-        packing = self._pack([r.numel() * r.element_size() for r in regions])
-        return group_regions(regions, packing), packing
-
-    def _pack(self, sizes: list[int]) -> list[int]:
-        return pack_messages(sizes, self.message_max_bytes, self.message_max_regions)
 
     def _stub(self, address: str) -> pb_grpc.KVControlStub:
         """A control stub for calls that move no KV (Abort), made without a handshake: a
@@ -388,51 +373,36 @@ class DecodeConnector:
         return stats
 
     def _transfer(self, peer: Peer, params: KVTransferParams, src, dst, what: str, **fields):
-        """Post receives into `dst`'s runs (paired with `src`), then ask the prefill worker
-        to send them (PullKV with `fields`); its reply once the bytes have arrived. Raises
-        Refused when the prefill worker refused, TransferFailed when the transfer failed."""
+        """Move `src`'s runs into `dst`'s: read them one-sided and confirm (a peer that
+        offers its memory, `onesided`), or post receives and ask the prefill worker to
+        send (PullKV with `fields`). Its reply once the bytes have arrived. Raises Refused
+        when the prefill worker refused, TransferFailed when the transfer failed."""
         plan = peer.plan or self._plan
         try:
             runs = plan.runs(src, dst)
-            messages, packing = self._messages(peer, runs)
         except ValueError as e:
             raise TransferFailed(f"{what} does not fit this request: {e}") from e
-        if len(messages) >= 1 << 16:
-            raise TransferFailed("transfer too fragmented (over 65536 messages)")
-        tag = self._tag_base | (next(self._counter) % (1 << 24)) << 16
-        handle = self.transport.post_recv(peer.ucx_address, tag, messages)
-        timeline.stamp(params.request_id, "recvs_posted", messages=len(messages))
-        try:
-            reply = peer.stub.PullKV(
-                pb.PullRequest(
-                    request_id=params.request_id,
-                    transfer_token=params.transfer_token,
-                    engine_id=self.engine_id,
-                    ucx_address=self.transport.address,
-                    tag=tag,
-                    dst_blocks=[pb.BlockIds(ids=g) for g in dst],
-                    message_regions=packing,
-                    dst_layout=layout_to_pb(self.layout) if peer.plan is not self._plan else None,
-                    **fields,
-                ),
-                timeout=self.timeout_s,
-                metadata=self._metadata,
+
+        def request(**more) -> pb.PullRequest:
+            return pb.PullRequest(
+                request_id=params.request_id,
+                transfer_token=params.transfer_token,
+                engine_id=self.engine_id,
+                ucx_address=self.transport.address,
+                dst_blocks=[pb.BlockIds(ids=g) for g in dst],
+                dst_layout=layout_to_pb(self.layout) if peer.plan is not self._plan else None,
+                **fields,
+                **more,
             )
+
+        if peer.remote is not None and onesided.readable(plan):
+            reply, reads = onesided.read_pull(self, peer, params, plan, runs, what, request)
             if not reply.ok:
                 raise Refused(reply.error)
-            timeline.stamp(params.request_id, "pull_replied")
-            handle.wait(self.timeout_s)
-            timeline.stamp(params.request_id, "bytes_arrived")
-            self._count_ranks(plan, runs)
-        except grpc.RpcError as e:
-            handle.cancel()
-            self.forget_peer(params.control_address)
-            raise TransferFailed(
-                f"prefill worker {params.control_address} failed during {what}: {rpc_error(e)}"
-            ) from e
-        except BaseException:
-            handle.cancel()
-            raise
+            reply.messages = reads
+        else:
+            reply = self._receive(peer, params, plan, runs, what, request)
+        self._count_ranks(plan, runs)
         return reply
 
     def _release(self, peer: Peer, params: KVTransferParams) -> None:

@@ -31,6 +31,8 @@ class Peer:
     layout: KVLayout | None = None
     #: The transfer plan between its pools and ours (tensor-parallel pairs; else ours).
     plan: object = None
+    #: Its memory, readable one-sided (`connector.onesided.RemoteMemory`); None: it sends.
+    remote: object = None
 
 
 class Refused(Exception):

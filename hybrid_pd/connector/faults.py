@@ -2,8 +2,10 @@
 production, inert when unset.
 
 "exit_during_pull": the prefill process exits after sending part of a transfer.
-"zero_sends": zeros are sent in place of the KV (the proof that decode's output depends on
-what it pulls); "zero_sends:MARK" only for the requests whose id contains MARK.
+"zero_sends": zeros arrive in place of the KV (the proof that decode's output depends on
+what it pulls): a prefill process sends zeros (two-sided pulls), a decode process writes
+zeros over what it read (one-sided pulls); "zero_sends:MARK" only for the requests whose id
+(the prefill's) contains MARK.
 "slow_prefill:SECONDS": each step of a staged request takes that much longer on the prefill
 engine's thread (so a test's decode worker sees its prefill in progress). This slows the
 engine, not a request's wait: it is the one sleep the connector package holds, and the test

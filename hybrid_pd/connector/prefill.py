@@ -27,6 +27,7 @@ from hybrid_pd.api.signing import sign
 from hybrid_pd.connector import faults, timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.prefill_read import ReadConfirms
 from hybrid_pd.connector.prefill_stage import (
     Progress,
     PullOrder,
@@ -108,8 +109,9 @@ class _Sending:
     messages: list = field(default_factory=list)
 
 
-class PrefillConnector(Staging):
-    """Implements SupportsHMA for the prefill role (and the staged half, `Staging`)."""
+class PrefillConnector(Staging, ReadConfirms):
+    """Implements SupportsHMA for the prefill role (and the staged half, `Staging`; the
+    one-sided reads' half, `ReadConfirms`)."""
 
     def __init__(
         self,
@@ -126,6 +128,7 @@ class PrefillConnector(Staging):
         clock: Callable[[], float] = time.monotonic,
         shard_buffers: Callable[[], Sequence] | None = None,
         secret: str | None = None,
+        one_sided: bool | None = None,
     ) -> None:
         """`free_blocks(request_id)` frees a kept request in the engine (thread-safe);
         `region(first_block, n)` returns the contiguous tensor of n blocks of our engine's
@@ -139,7 +142,8 @@ class PrefillConnector(Staging):
 
         `secret`: the control plane's shared secret; the params handed out are then signed
         with it (valid for the lease), so decode servers that were never told of this one
-        may pull from it (`api.signing`)."""
+        may pull from it (`api.signing`). `one_sided`: offer decode workers this worker's
+        memory to read (`connector.onesided`; default: unless HYBRID_PD_UCX_ONESIDED=0)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
@@ -180,7 +184,9 @@ class PrefillConnector(Staging):
             "staged_pulls": 0,
             "staged_bytes": 0,
             "staged_void": 0,  # staged sends whose blocks were freed meanwhile
+            "read_pulls": 0,  # pulls decode read one-sided (confirmed here; none sent)
         }
+        self._init_reads(one_sided)
 
     # -- SupportsHMA ------------------------------------------------------------------------
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):

@@ -161,21 +161,48 @@ class PagedPlan:
     def nbytes(self, runs: Sequence[Segment]) -> int:
         return sum(s.length for s in runs) * self.page_size_bytes
 
-    def iov(self, runs: Sequence[Segment], side: str) -> tuple[np.ndarray, torch.Tensor] | None:
-        """(address, bytes) rows of this side's runs ("src" or "dst") and the pool they lie
-        in; None unless the regions come from one contiguous CPU pool (`PoolRegions`).
-        Raises ValueError for block ids outside the pool."""
+    def memory(self) -> list[tuple[int, int]] | None:
+        """(address, bytes) of the regions a one-sided read may name: the pool (None
+        unless it is one contiguous CPU pool, `PoolRegions`)."""
+        pool = self._pool()
+        return None if pool is None else [(pool.data_ptr(), pool.numel() * pool.element_size())]
+
+    def read_pieces(self, runs: Sequence[Segment]) -> tuple[np.ndarray, np.ndarray, list]:
+        """A one-sided read of `runs` from a peer whose pool is region 0: int64 [n, 3]
+        (region, byte offset, bytes) there, the uint64 [n] destination addresses here, and
+        what holds them. Raises ValueError when this pool is not readable so or a block
+        lies outside it."""
+        found = self.iov(runs, "dst")
+        if found is None:
+            raise ValueError("this pool takes no one-sided reads")
+        iov, pool = found
+        page = self.page_size_bytes
+        pieces = np.zeros((len(runs), 3), dtype=np.int64)
+        pieces[:, 1] = [s.src * page for s in runs]
+        pieces[:, 2] = iov[:, 1].astype(np.int64)
+        return pieces, iov[:, 0], [pool]
+
+    def _pool(self) -> torch.Tensor | None:
         if not isinstance(self.region, PoolRegions):
             return None
         pool = self.region.buffer()
-        page = self.page_size_bytes
         if (
             pool.device.type != "cpu"
             or pool.dim() != 2
             or not pool.is_contiguous()
-            or pool.shape[1] * pool.element_size() != page
+            or pool.shape[1] * pool.element_size() != self.page_size_bytes
         ):
             return None
+        return pool
+
+    def iov(self, runs: Sequence[Segment], side: str) -> tuple[np.ndarray, torch.Tensor] | None:
+        """(address, bytes) rows of this side's runs ("src" or "dst") and the pool they lie
+        in; None unless the regions come from one contiguous CPU pool (`PoolRegions`).
+        Raises ValueError for block ids outside the pool."""
+        pool = self._pool()
+        if pool is None:
+            return None
+        page = self.page_size_bytes
         first = np.fromiter((s.src if side == "src" else s.dst for s in runs), np.int64, len(runs))
         length = np.fromiter((s.length for s in runs), np.int64, len(runs))
         if len(runs) and (first.min() < 0 or (first + length).max() > pool.shape[0]):

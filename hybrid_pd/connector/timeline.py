@@ -11,6 +11,9 @@ the prefill's request id (the id in kv_transfer_params, the same on both sides):
              ─ pull_replied ─ bytes_arrived ─ finish_load ─ reported
              ─ finished_seen ─ first_step
 
+A one-sided pull (`onesided`) has decode stamp reads_posted ─ reads_done in place of
+recvs_posted, and the prefill read_confirmed in place of its pull_received .. sends_done.
+
 One line per stamp, `timeline <id> <stage> <unix seconds> [key=value ...]`, at DEBUG on the
 logger `hybrid_pd.connector.timeline`. Off by default (one `isEnabledFor` per stamp);
 `HYBRID_PD_TIMELINE=1` in a process's environment turns it on there, with a stderr handler

@@ -153,6 +153,17 @@ class ShardedPlan:
         iov[:, 1] = n.astype(np.uint64)
         return iov, pools
 
+    def memory(self) -> list[tuple[int, int]]:
+        """(address, bytes) of this side's ranks' pools, rank order: the regions a one-sided
+        read names by rank."""
+        return [(p.data_ptr(), p.numel() * p.element_size()) for p in self.buffers()]
+
+    def read_pieces(self, runs: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
+        """A one-sided read of `runs`: (source rank, offset, bytes) rows at the peer, the
+        destination addresses here and the pools holding them (`PagedPlan.read_pieces`)."""
+        iov, pools = self.iov(runs, "dst")
+        return runs[:, [SRC_RANK, SRC_OFF, NBYTES]], iov[:, 0], list(pools)
+
     def src_regions(self, runs: np.ndarray) -> list[torch.Tensor]:
         return self._regions(runs, SRC_RANK, SRC_OFF)
 

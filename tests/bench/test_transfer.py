@@ -14,20 +14,30 @@ if importlib.util.find_spec("ucxx") is None:
 
 
 def test_churned_pool_moves_in_one_message_per_request_and_intact():
-    """After churn the request's blocks lie scattered in both pools: one UCX message per
-    run costs hundreds of messages, scatter-gather one; the bytes are the minimum, every
+    """After churn the request's blocks lie scattered in both pools. Read one-sided (the
+    default), one read per run; sent (`--two-sided`), one UCX message per run costs
+    hundreds of messages, scatter-gather one. Either way the bytes are the minimum, every
     page lands where it belongs, nothing leaks."""
     runs = {}
-    for sg in (True, False):
+    for one_sided, sg in ((True, True), (False, True), (False, False)):
         r = transfer_bench.bench_transfer(
-            "gemma-3-1b-it", (512, 2048), repeats=2, churn=100, seed=3, scatter_gather=sg
+            "gemma-3-1b-it",
+            (512, 2048),
+            repeats=2,
+            churn=100,
+            seed=3,
+            scatter_gather=sg,
+            one_sided=one_sided,
         )
-        assert r["scatter_gather"] is sg and r["intact"]
+        assert r["scatter_gather"] is sg and r["one_sided"] is one_sided and r["intact"]
         assert r["leaked_blocks"] == {"prefill": 0, "decode": 0}
         assert all(row["bytes"] == row["bytes_min"] for row in r["runs"])
-        runs[sg] = r["runs"]
-    assert [row["messages_per_request"] for row in runs[True]] == [1, 1]
-    assert all(row["messages_per_request"] > 100 for row in runs[False])
+        runs[one_sided, sg] = r["runs"]
+    assert [row["messages_per_request"] for row in runs[False, True]] == [1, 1]
+    assert all(row["messages_per_request"] > 100 for row in runs[False, False])
+    # one read per run of blocks: as many as the unpacked messages
+    reads = [row["messages_per_request"] for row in runs[True, True]]
+    assert reads == [row["messages_per_request"] for row in runs[False, False]]
 
 
 def test_intact_sees_a_page_that_did_not_arrive():

@@ -12,14 +12,17 @@ import logging
 import threading
 import time
 
+import pytest
 import torch
 
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.bench.vllm_handoff import STAGES, handoff_figures, percentile, stage_deltas
 from hybrid_pd.connector import timeline
+from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.decode import DecodeConnector
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.prefill import PrefillConnector
+from hybrid_pd.connector.segments import PoolRegions
 from hybrid_pd.connector.setup import add_kv_control, open_server, start_transport
 from hybrid_pd.kvcache.grouping import plan_groups
 from tests.connector.test_connector_units import _Req, model
@@ -125,3 +128,79 @@ def test_handoff_figures_per_prompt_length():
     assert out["2048"]["decode_ttft_s"]["n"] == 2
     assert out["128"]["stages_ms_p50"]["pull_start"] == 10.0
     assert percentile([3, 1, 2], 50) == 2 and percentile([1, 2, 3, 4], 99) == 4
+
+
+def test_one_sided_pull_reads_exactly_the_kept_blocks_and_sends_nothing(caplog):
+    """Pools the transports can map: decode reads the kept blocks itself (the prefill side
+    sends no message), the bytes equal the source's, the bytes read are exactly the
+    blocks' (the minimum), the release frees once; a read of a lease that ended is void."""
+    layout = KVLayout.of(plan_groups(model(), block_size=4), "m")
+    page = layout.page_size_bytes
+    g = torch.Generator().manual_seed(5)
+    src = torch.randint(0, 256, (24, page), dtype=torch.uint8, generator=g)
+    dst = torch.zeros_like(src)
+    freed: list[str] = []
+    tp, td = start_transport("127.0.0.1"), start_transport("127.0.0.1")
+    server, address = open_server("127.0.0.1", 0, SECRET)
+    prefill = PrefillConnector(
+        engine_id="p",
+        layout=layout,
+        control_address=address,
+        free_blocks=freed.append,
+        region=PoolRegions(lambda: src),
+        transport=tp,
+        secret=SECRET,
+    )
+    decode = None
+    try:
+        add_kv_control(server, "p", layout, tp, prefill)
+        server.start()
+        decode = DecodeConnector(
+            engine_id="d",
+            layout=layout,
+            transport=td,
+            region=PoolRegions(lambda: dst),
+            secret=SECRET,
+            peers=(address,),
+        )
+        decode.dial(address)
+        n_groups = len(layout.groups)
+        kept = tuple([1 + 3 * i, 2 + 3 * i] for i in range(n_groups))
+        _, raw = prefill.request_finished_all_groups(_Req("r", [1] * 8, [7]), kept)
+        params = KVTransferParams.from_dict(raw)
+        dst_ids = tuple([12 + 3 * i, 13 + 3 * i] for i in range(n_groups))
+        caplog.set_level(logging.DEBUG, logger=timeline.__name__)
+        stats = decode.pull(params, dst_ids)
+        for s_ids, d_ids in zip(kept, dst_ids, strict=True):
+            for s, d in zip(s_ids, d_ids, strict=True):
+                assert torch.equal(dst[d], src[s])
+        minimum = 2 * n_groups * page
+        assert stats.bytes == minimum and td.stats()["bytes_read"] == minimum
+        assert tp.stats()["messages_sent"] == 0 and td.stats()["messages_received"] == 0
+        assert prefill.stats_snapshot()["read_pulls"] == 1
+        assert prefill.stats_snapshot()["bytes_sent"] == minimum
+        assert freed == ["r"] and prefill.num_leases == 0  # released once, after the pull
+        stamps = timeline.parse(r.getMessage() for r in caplog.records)["r"]
+        seen = [s for s in STAGES if s in stamps]
+        assert seen == [
+            "peer_ready",
+            "reads_posted",
+            "reads_done",
+            "read_confirmed",
+            "pull_replied",
+            "bytes_arrived",
+        ]
+        # a lease that ended before the confirmation: the read is void, the pull fails
+        _, raw = prefill.request_finished_all_groups(_Req("q", [1] * 8, [7]), kept)
+        late = KVTransferParams.from_dict(raw)
+        prefill.release(late.request_id, late.transfer_token)
+        with pytest.raises(TransferFailed, match="no KV kept"):
+            decode.pull(late, dst_ids)
+        assert prefill.stats_snapshot()["read_pulls"] == 1
+    finally:
+        if decode is not None:
+            decode.close()
+        server.stop()
+        prefill.close()
+        tp.close()
+        td.close()

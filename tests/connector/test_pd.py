@@ -50,6 +50,7 @@ def test_pd_output_equals_single_engine(arch):
         p = prompt(n, seed=i)
         expected = reference_tokens(ref, p, N_NEW)
         assert len(set(expected)) >= 4, "reference output does not vary"
+        reads = pair.prefill.stats()["prefill_connector"]["read_pulls"]
         first = pair.prefill.prefill(f"{name}-{i}", p, sampling)
         assert first.first_token == expected[0]
         out = pair.decode.generate(f"{name}-{i}", p, sampling, first.kv_transfer_params)
@@ -57,8 +58,10 @@ def test_pd_output_equals_single_engine(arch):
         # Bytes shipped are the computed minimum: every group's needed pages, nothing more.
         assert out.transfer["bytes"] == kv_config.bytes_per_request(n)
         assert not out.transfer["recomputed"]
-        # However the blocks lie in the two pools, one scatter-gather message carries them.
-        assert out.transfer["messages"] == 1
+        # Decode read the blocks itself (one-sided, the default), one read per run of
+        # blocks, and the prefill worker confirmed that read.
+        assert pair.prefill.stats()["prefill_connector"]["read_pulls"] == reads + 1
+        assert 1 <= out.transfer["messages"] <= len(kv_config.groups) * (n + 1)
         try:
             off = plan_groups(spec, hma=False, block_size=kv_config.block_size)
             if not windowed:  # full attention only: nothing for HMA to save
@@ -71,12 +74,15 @@ def test_pd_output_equals_single_engine(arch):
         wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
 
 
-def test_decode_flag_turns_scatter_gather_off(checkpoint):
-    """`--no-kv-scatter-gather`: one UCX message per run of blocks. The same hand-overs are
-    one message each by default (above); the output does not change."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_two_sided_pulls_and_the_scatter_gather_flag(checkpoint, packed):
+    """A prefill worker with one-sided reads off (HYBRID_PD_UCX_ONESIDED=0) sends: however
+    the blocks lie in the two pools, one scatter-gather message carries them; with
+    `--no-kv-scatter-gather` one UCX message per run of blocks. The output is the same."""
     path = checkpoint("gemma3")
     ref = reference_engine(path)
-    pair = Pair(path, decode_args=["--no-kv-scatter-gather"])
+    decode_args = [] if packed else ["--no-kv-scatter-gather"]
+    pair = Pair(path, decode_args=decode_args, env={"HYBRID_PD_UCX_ONESIDED": "0"})
     try:
         sampling = sampling_to_pb(SamplingParams(max_tokens=N_NEW, ignore_eos=True))
         messages = []
@@ -85,8 +91,13 @@ def test_decode_flag_turns_scatter_gather_off(checkpoint):
             first = pair.prefill.prefill(f"off-{i}", p, sampling)
             out = pair.decode.generate(f"off-{i}", p, sampling, first.kv_transfer_params)
             assert out.error == "" and out.token_ids == reference_tokens(ref, p, N_NEW)
+            assert out.transfer["bytes"] == ref.kv_config.bytes_per_request(n)
             messages.append(out.transfer["messages"])
-        assert max(messages) > 1, messages
+        assert pair.prefill.stats()["prefill_connector"]["read_pulls"] == 0
+        if packed:
+            assert messages == [1, 1]
+        else:
+            assert max(messages) > 1, messages
     finally:
         pair.close()
 
@@ -165,11 +176,15 @@ def test_stats_reply_is_typed(arch):
     pre, dec = replies["prefill"], replies["decode"]
     assert pre.prefill.leases == 0
     assert pre.prefill.connector.handed_over >= 1 and pre.prefill.connector.pulled >= 1
-    assert pre.prefill.connector.bytes_sent >= moved and pre.transport.bytes_sent >= moved
+    # the pulls were read one-sided (the default): the prefill worker counts what it
+    # confirmed and sent nothing; decode's transport counts the bytes it read
+    assert pre.prefill.connector.bytes_sent >= moved and pre.transport.bytes_sent == 0
+    assert pre.prefill.connector.read_pulls == pre.prefill.connector.pulled
     assert pair.procs[0].address in dec.decode.peers
     c = dec.decode.connector
     assert c.pulls >= 1 and c.bytes >= moved and c.seconds > 0 and c.last_error == ""
-    assert dec.transport.bytes_received >= moved and pre.transport.endpoints >= 1
+    assert dec.transport.bytes_read == c.bytes and pre.transport.endpoints >= 1
+    assert dec.transport.messages_read >= c.pulls and dec.transport.bytes_received == 0
     # The client's dict view keeps the role sections apart too.
     assert {"leases", "prefill_connector"} <= set(pair.prefill.stats())
     assert not {"peers", "decode_connector"} & set(pair.prefill.stats())

@@ -124,8 +124,12 @@ def test_layout_mismatch_is_refused_by_name(env):
     _leak_free(c["prefill"], c["decode_other_layout"])
 
 
-@pytest.mark.parametrize("when", ["before", "during"])
+@pytest.mark.parametrize("when", ["before", "known", "during"])
 def test_prefill_killed(env, when):
+    """A prefill worker killed before the pull (never met, or `known`: decode holds its
+    memory's keys from an earlier pull, and must not read a dead process) or during it
+    (one-sided: after decode read, before the prefill worker confirmed): the pull fails
+    with the prefill worker named, decode lives on and recomputes exactly."""
     _, common, _, c, ref = env
     fault = {"HYBRID_PD_INJECT_FAULT": "exit_during_pull"} if when == "during" else {}
     doomed = start_worker("prefill", *common, env=fault)
@@ -133,8 +137,12 @@ def test_prefill_killed(env, when):
         c["decode"].add_peers([doomed.address])
         client = WorkerClient(doomed.address, timeout_s=60)
         p = prompt(70, seed=15)
+        if when == "known":
+            first = client.prefill("kill-known-0", p, SAMPLING)
+            out = c["decode"].generate("kill-known-0", p, SAMPLING, first.kv_transfer_params)
+            assert not out.transfer["recomputed"] and out.token_ids == _expected(ref, p)
         first = client.prefill(f"kill-{when}", p, SAMPLING)
-        if when == "before":
+        if when in ("before", "known"):
             doomed.kill()
         with pytest.raises(grpc.RpcError) as e:
             c["decode"].generate(

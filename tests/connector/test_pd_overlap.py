@@ -73,6 +73,9 @@ def test_staged_hand_over_equals_one_engine_and_ships_the_minimum(overlap_pair):
     if any(g.spec.kind == "full" for g in kv_config.groups):  # (Mistral's all slide)
         assert staged > 0 and stats["staged_pulls"] >= 1
     assert pair.prefill.stats()["prefill_connector"]["staged_bytes"] >= staged
+    # every pull, staged and final, was read one-sided and confirmed by the prefill worker
+    pre = pair.prefill.stats()["prefill_connector"]
+    assert pre["read_pulls"] == pre["pulled"] + pre["staged_pulls"] >= 1
     for client in (pair.prefill, pair.decode):
         wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
 

@@ -77,6 +77,8 @@ def test_pd_between_tp_sizes_equals_single_engine(name, p_tp, d_tp, checkpoint):
         assert stats["decode_connector"]["bytes_by_rank"] == expected_by_rank
         assert sum(expected_by_rank) == stats["decode_connector"]["bytes"]
         assert pair.prefill.stats()["tensor_parallel_size"] == p_tp
+        # read one-sided from the prefill ranks' pools (rank 0 maps them all)
+        assert pair.prefill.stats()["prefill_connector"]["read_pulls"] == len(LENGTHS)
         for client in (pair.prefill, pair.decode):
             wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
     finally:

@@ -69,6 +69,9 @@ def _peer_main(conn) -> None:
                 elif cmd == "discard":
                     t.discard(*args)
                     reply = None
+                elif cmd == "map":  # the pool, for one-sided reads: (address, bytes, rkey)
+                    m = t.map_memory(pool.data_ptr(), pool.numel())
+                    reply = (m.address, m.nbytes, m.rkey)
                 elif cmd == "pool":
                     reply = pool.clone()
                 elif cmd == "stats":

@@ -138,6 +138,39 @@ def test_regions_move_exactly_the_blocks_and_count_their_bytes():
     assert src_plan.nbytes(runs) == 3 * 2 * 2 * attn_block + 2 * 2 * attn_block + mamba_block
 
 
+def test_one_sided_pieces_are_the_regions_read_at_the_peer():
+    """A one-sided read's pieces, resolved against the peer's `memory()` (what its
+    handshake sends), are exactly the source regions, and its destinations are exactly
+    the destination regions, in the same order: copying byte ranges as UCX's reads do
+    gives what the two-sided messages give."""
+    import ctypes
+
+    cfg = _config()
+    src_caches, dst_caches = _caches(4), _caches(5)
+    src_plan, dst_plan = VllmPlan(cfg, src_caches), VllmPlan(cfg, dst_caches)
+    src = ((2, 3, 4), (5, 6), (7,))
+    dst = ((8, 9, 10), (1, 3), (11,))
+    runs = dst_plan.runs(src, dst)
+    pieces, local, _ = dst_plan.read_pieces(runs)
+    regions = src_plan.memory()  # the peer's, in the order the pieces name them
+    sent, got = src_plan.src_regions(runs), dst_plan.dst_regions(runs)
+    assert len(pieces) == len(sent) == len(got) == len(local)
+    rows = zip(pieces.tolist(), local.tolist(), sent, got, strict=True)
+    for (k, off, n), addr, s_t, d_t in rows:
+        base, size = regions[k]
+        assert off + n <= size
+        assert base + off == s_t.data_ptr() and n == s_t.numel() * s_t.element_size()
+        assert addr == d_t.data_ptr()
+        ctypes.memmove(addr, base + off, n)  # what ucp_get_nbx does
+    for name in ("full.0", "swa.0"):
+        g = 0 if name == "full.0" else 1
+        for s_id, d_id in zip(src[g], dst[g], strict=True):
+            assert torch.equal(dst_caches[name][:, d_id], src_caches[name][:, s_id])
+    for s_t, d_t in zip(src_caches["mamba.0"], dst_caches["mamba.0"], strict=True):
+        assert torch.equal(d_t[11], s_t[7])
+    assert int(pieces[:, 2].sum()) == src_plan.nbytes(runs)  # the minimum, nothing more
+
+
 def test_regions_are_views_not_copies():
     caches = _caches(3)
     plan = VllmPlan(_config(), caches)

@@ -99,8 +99,9 @@ def pd(request, tmp_path_factory):
     secret.write_text(secrets.token_urlsafe(24))
     control = free_port()
     prefill_cpus, decode_cpus = cpu_halves()
-    # The prefill server sends zeros in place of the KV for requests whose id carries
-    # ZEROS_MARK (the negative control), and the real KV for every other request. Both run
+    # Zeros arrive in place of the KV for requests whose id carries ZEROS_MARK (the
+    # negative control: the decode server writes them over what it read one-sided; a
+    # prefill server that sends, two-sided, sends zeros), the real KV for every other. Both run
     # the model in the engine-core process (vLLM's executor for one GPU); the multi-node
     # test runs vLLM's CPU default, a worker process of its own.
     prefill = Server(
@@ -123,7 +124,7 @@ def pd(request, tmp_path_factory):
         # router whose prefill pool changes).
         extra={"secret_file": str(secret)},
         cpus=decode_cpus,
-        env=env,
+        env={**env, "HYBRID_PD_INJECT_FAULT": f"zero_sends:{ZEROS_MARK}"},
         single_process=True,
     )
     servers = (prefill, decode)
@@ -212,6 +213,8 @@ def test_bytes_sent_equal_bytes_pulled_and_nothing_leaks(pd):
     sent = m.get("hybrid_pd_kv_bytes_sent_total", 0)
     assert sent > 0
     assert sent == pd.decode.metrics()["hybrid_pd_kv_bytes_pulled_total"]
+    # decode read them one-sided (the default); the prefill server confirmed every pull
+    assert m["hybrid_pd_kv_read_pulls_total"] == m["hybrid_pd_kv_pulled_from_total"] > 0
 
 
 def test_replayed_params_recompute_exactly(pd):

@@ -5,6 +5,7 @@
     iov.py        regions as messages: contiguous tensors, scatter-gather (IOV) lists
     ops.py        a batch of UCP requests, and the receiver's handle on one
     poller.py     the loop thread's work: post, poll, settle after failure, drain
+    rma.py        one-sided reads: memory mapped once, remote keys, ucp_get_nbx
     transport.py  `UcxTransport`: threads, lifecycle, the blocking public API
 
 One `UcxTransport` per worker process. The control plane (gRPC) ships `address` (the UCX
@@ -14,6 +15,14 @@ worker address, bytes) to peers; then
     receiver:  handle = transport.post_recv(peer_address, tag, [dst_0, dst_1, ...])
                ...  (tell the sender to go, over gRPC)
                handle.wait(timeout)
+
+or, one-sided (`rma.py`):
+
+    owner:     mapped = transport.map_memory(address, nbytes)   # once; ship mapped.rkey
+    reader:    transport.read(owner_address, [rkey, ...], rows, keep, timeout)
+
+where row i of `rows` reads NBYTES bytes at the owner's address REMOTE (inside the mapping
+of key KEY) into this process's address LOCAL; the owner's threads take no part.
 
 Entry i travels as one message with tag `tag + i`, straight from the source tensors into the
 destination tensors (UCX rendezvous: the receiver reads the sender's memory with CMA on one

@@ -130,6 +130,7 @@ class Ucp:
         lib.ucp_request_cancel.restype = None
         lib.ucp_request_free.argtypes = [vp]
         lib.ucp_request_free.restype = None
+        self.lib = lib  # more of libucp is bound where it is used (`rma.RmaCalls`)
         self.tag_send = lib.ucp_tag_send_nbx
         self.tag_recv = lib.ucp_tag_recv_nbx
         self.check_status = lib.ucp_request_check_status

@@ -18,7 +18,7 @@ class Op:
     """One batch of raw UCP requests (polled by the loop thread) plus everything that must
     stay alive while they are pending."""
 
-    kind: str  # "send" | "recv"
+    kind: str  # "send" | "recv" | "get" (one-sided reads)
     requests: list[int]  # UCP request pointers; 0 once completed and freed (or done at once)
     statuses: list[int]  # per posted message: UCS_INPROGRESS, UCS_OK or an error status
     keepalive: list[Any]

@@ -65,8 +65,11 @@ class RequestPoller:
             "bytes_sent": 0,
             "messages_received": 0,
             "bytes_received": 0,
+            "messages_read": 0,
+            "bytes_read": 0,
             "send_failures": 0,
             "recv_failures": 0,
+            "get_failures": 0,
             "drained": 0,
         }
 
@@ -280,6 +283,8 @@ class RequestPoller:
         return await asyncio.shield(op.settling)
 
     def _cancel_requests(self, op: Op) -> None:
+        if op.kind == "get":
+            return  # UCX cannot cancel a one-sided read: it runs to its end
         cancel, wh = self._ucx.ucp.cancel, self._worker.handle
         for r, st in zip(op.requests, op.statuses, strict=True):
             if r and st == UCS_INPROGRESS:
@@ -295,7 +300,7 @@ class RequestPoller:
         self._count(f"{op.kind}_failures", 1)
         self._cancel_requests(op)
         if op.pending:  # a started rendezvous send cannot be cancelled: do not wait long for it
-            grace = CANCEL_GRACE_S if op.kind == "recv" else _SEND_CANCEL_GRACE_S
+            grace = _SEND_CANCEL_GRACE_S if op.kind == "send" else CANCEL_GRACE_S
             try:
                 await asyncio.wait_for(asyncio.shield(op.settled), grace)
             except TimeoutError:

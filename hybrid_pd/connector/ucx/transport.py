@@ -23,6 +23,7 @@ from hybrid_pd.connector.ucx.ffi import Ucx, get_ucx
 from hybrid_pd.connector.ucx.iov import pack_messages
 from hybrid_pd.connector.ucx.ops import Op, RecvHandle
 from hybrid_pd.connector.ucx.poller import CANCEL_GRACE_S, RequestPoller
+from hybrid_pd.connector.ucx.rma import MappedMemory, RemoteReads
 from hybrid_pd.connector.ucx.tags import sender_key, wire_tags
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def _close_all() -> None:
             pass
 
 
-class UcxTransport(RequestPoller):
+class UcxTransport(RemoteReads, RequestPoller):
     """UCX data plane of one worker (see the package docstring)."""
 
     def __init__(
@@ -71,6 +72,7 @@ class UcxTransport(RequestPoller):
         self._address: bytes = b""
         self._key = 0
         super().__init__()
+        self._init_reads()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -231,6 +233,7 @@ class UcxTransport(RequestPoller):
         if self._drain_task is not None:
             self._drain_task.cancel()
         self._drain.clear()
+        self._unmap_all()
         for ep in self._endpoints.values():
             try:
                 ep.close_blocking(period=100_000_000, max_attempts=1)
@@ -292,6 +295,31 @@ class UcxTransport(RequestPoller):
         not wait for UCX's wire-up (a peer just met at a handshake)."""
         self._check_open()
         return self._submit(self._connect_async(bytes(peer)))
+
+    def map_memory(self, address: int, nbytes: int) -> MappedMemory:
+        """Map [address, address + nbytes) of this process once for peers' one-sided reads
+        (it stays mapped until `close`); its `rkey` is what a peer needs. Raises
+        TransferError when UCX cannot map it."""
+        self._check_open()
+        return self._call(self._map_async(address, nbytes), 0.0)
+
+    def read_future(
+        self, peer: bytes, rkeys: list[bytes], rows, keep: list, timeout: float
+    ) -> concurrent.futures.Future:
+        """Read from the worker at `peer`, one-sided: row i of `rows` (uint64 [n, 4], the
+        columns of `rma`: LOCAL, REMOTE, NBYTES, KEY) copies NBYTES bytes from the peer's
+        address REMOTE, inside memory it mapped whose packed key is `rkeys[KEY]`, to this
+        process's address LOCAL (inside `keep`'s tensors, kept alive while UCX may write
+        them). The future ends once every byte arrived (TransferError on failure or
+        timeout). The caller vouches for the addresses."""
+        self._check_open()
+        return self._submit(self._read_async(bytes(peer), list(rkeys), rows, keep, timeout))
+
+    def read(self, peer: bytes, rkeys: list[bytes], rows, keep: list, timeout: float) -> None:
+        """`read_future`, blocking until the bytes arrived."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("blocking UcxTransport call from its own loop thread")
+        self._result(self.read_future(peer, rkeys, rows, keep, timeout), timeout)
 
     def post_recv(self, peer: bytes, tag: int, regions: list) -> RecvHandle:
         """Post receives of messages `tag + i` from `peer` straight into `regions[i]` (a

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class _View:
             raise ValueError(f"a block of a {tuple(t.shape)} cache tensor is not contiguous")
         self.runs_contiguous = t.stride(0) == per_block.numel()
         self.block_bytes = per_block.numel() * per_block.element_size()
+        self.stride_bytes = t.stride(0) * t.element_size()
 
     def regions(self, first: int, n: int) -> list[torch.Tensor]:
         if self.runs_contiguous:
@@ -98,6 +100,39 @@ class VllmPlan:
 
     def dst_regions(self, runs: Sequence[Run]) -> list[torch.Tensor]:
         return self._regions(runs, "dst")
+
+    def memory(self) -> list[tuple[int, int]] | None:
+        """(address, bytes) of every block-indexed cache tensor, groups in order: the
+        regions a one-sided read names (None unless all lie in CPU memory)."""
+        out = []
+        for views in self.views:
+            for v in views:
+                if v.t.device.type != "cpu":
+                    return None
+                span = (v.t.shape[0] - 1) * v.stride_bytes + v.block_bytes
+                out.append((v.t.data_ptr(), span))
+        return out
+
+    def read_pieces(self, runs: Sequence[Run]) -> tuple[np.ndarray, np.ndarray, list]:
+        """A one-sided read of `runs`: (region, offset, bytes) rows at the peer (regions as
+        in `memory`), this side's destination addresses, in `dst_regions`' order, and the
+        tensors holding them. Raises ValueError for a block outside this cache."""
+        first = list(itertools.accumulate((len(v) for v in self.views), initial=0))
+        pieces, dst = [], []
+        for r in runs:
+            for j, v in enumerate(self.views[r.group]):
+                if r.dst < 0 or r.dst + r.length > v.t.shape[0]:
+                    raise ValueError(f"blocks {r.dst}..{r.dst + r.length} outside the cache")
+                base, k = v.t.data_ptr(), first[r.group] + j
+                if v.runs_contiguous:
+                    pieces.append((k, r.src * v.stride_bytes, r.length * v.block_bytes))
+                    dst.append(base + r.dst * v.stride_bytes)
+                    continue
+                for i in range(r.length):
+                    pieces.append((k, (r.src + i) * v.stride_bytes, v.block_bytes))
+                    dst.append(base + (r.dst + i) * v.stride_bytes)
+        rows = np.array(pieces, dtype=np.int64).reshape(-1, 3)
+        return rows, np.array(dst, dtype=np.uint64), [v.t for vs in self.views for v in vs]
 
     def nbytes(self, runs: Sequence[Run]) -> int:
         return sum(r.length * sum(v.block_bytes for v in self.views[r.group]) for r in runs)

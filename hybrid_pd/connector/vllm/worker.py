@@ -226,6 +226,7 @@ class WorkerHalf:
                 handed_over=st["handed_over"],
                 pulled_from=st["pulled"],
                 bytes_sent=st["bytes_sent"],
+                read_pulls=st["read_pulls"],
                 released=st["released"],
                 expired=st["expired"],
                 aborted=st["aborted"],
