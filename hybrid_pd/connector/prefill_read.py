@@ -89,31 +89,9 @@ class ReadConfirms:
         """A decode worker read group g's final attention blocks start[g] .. end[g] of a
         staged request (`pull_stage`'s blocks): TransferFailed unless the request still
         holds them under `epoch` (a free moves the epoch on: the read is void)."""
-        with self._lock:
-            stage = self._stages.get(request_id)
-            if stage is not None:
-                self._check_token(stage.token, token, request_id)
-                blocks, now = stage.block_ids, stage.epoch
-            else:
-                lease = self._lease(request_id, token)
-                blocks, now = lease.block_ids, lease.epoch
-            if now != epoch:
-                self.stats["staged_void"] += 1
-                raise TransferFailed(f"request {request_id}: its blocks changed (preempted)")
-            src = self._stage_src(blocks, start, end)
-        plan = self._plan_for(dst_layout)
-        try:
-            nbytes = plan.nbytes(plan.runs(src, dst_blocks))
-        except ValueError as e:
-            raise TransferFailed(f"request {request_id}: {e}") from e
-        with self._lock:
-            if self._epoch_of(request_id) != epoch:
-                self.stats["staged_void"] += 1
-                raise TransferFailed(f"request {request_id}: its blocks were freed while read")
-            self.stats["staged_pulls"] += 1
-            self.stats["read_pulls"] += 1
-            self.stats["staged_bytes"] += nbytes
-            self.stats["bytes_sent"] += nbytes
+        plan, runs = self._staged_runs(request_id, token, epoch, start, end, dst_blocks, dst_layout)
+        nbytes = plan.nbytes(runs)
+        self._count_staged(request_id, epoch, nbytes, "read")
         return PullResult(nbytes, 0)
 
 

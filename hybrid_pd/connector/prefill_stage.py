@@ -186,6 +186,17 @@ class Staging:
         """Send group g's final attention blocks start[g] .. end[g] of a request
         still in prefill (or just kept) into `dst_blocks[g]`. Raises TransferFailed when the
         epoch is not the request's, or moved while sending (the bytes sent are void)."""
+        plan, runs = self._staged_runs(request_id, token, epoch, start, end, dst_blocks, dst_layout)
+        messages = self._messages(plan, runs, message_regions, request_id, peer, tag)
+        self.transport.send(peer, tag, messages, timeout)
+        nbytes = plan.nbytes(runs)
+        self._count_staged(request_id, epoch, nbytes, "sent", len(messages))
+        return PullResult(nbytes, len(messages))
+
+    def _staged_runs(self, request_id, token, epoch, start, end, dst_blocks, dst_layout):
+        """(plan, runs) of group g's blocks start[g] .. end[g] of a staged request into
+        `dst_blocks`. Raises TransferFailed unless the request holds them under `epoch`
+        (counted void) or when the plan cannot map them."""
         with self._lock:
             stage = self._stages.get(request_id)
             if stage is not None:
@@ -200,21 +211,25 @@ class Staging:
             src = self._stage_src(blocks, start, end)
         plan = self._plan_for(dst_layout)
         try:
-            runs = plan.runs(src, dst_blocks)
+            return plan, plan.runs(src, dst_blocks)
         except ValueError as e:
             raise TransferFailed(f"request {request_id}: {e}") from e
-        messages = self._messages(plan, runs, message_regions, request_id, peer, tag)
-        self.transport.send(peer, tag, messages, timeout)
-        nbytes = plan.nbytes(runs)
+
+    def _count_staged(
+        self, request_id, epoch: int, nbytes: int, how: str, messages: int = 0
+    ) -> None:
+        """Count a staged pull whose bytes were `how` ("sent" in `messages`, or "read"
+        one-sided); raises TransferFailed (void) when the request's epoch moved on meanwhile."""
         with self._lock:
             if self._epoch_of(request_id) != epoch:
                 self.stats["staged_void"] += 1
-                raise TransferFailed(f"request {request_id}: its blocks were freed while sent")
+                raise TransferFailed(f"request {request_id}: its blocks were freed while {how}")
             self.stats["staged_pulls"] += 1
+            if how == "read":
+                self.stats["read_pulls"] += 1
             self.stats["staged_bytes"] += nbytes
             self.stats["bytes_sent"] += nbytes
-            self.stats["messages_sent"] += len(messages)
-        return PullResult(nbytes, len(messages))
+            self.stats["messages_sent"] += messages
 
     def _stage_src(self, blocks, start, end) -> list[list[int]]:
         """Under the lock: the source blocks of a staged pull, group g's final blocks

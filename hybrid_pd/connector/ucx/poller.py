@@ -201,13 +201,7 @@ class RequestPoller:
             await self._unposted(op)
             raise TransferError(f"UCX send failed to start: {e}") from e
         self._posted(op)
-        error = await self._wait_op(op, timeout)
-        if error is not None:
-            await self._settle(op)
-            raise error
-        if op in self._ops:
-            self._ops.discard(op)
-            self._count("messages_sent", len(tags), "bytes_sent", sum(msgs.sizes))
+        await self._finish(op, timeout, "messages_sent", "bytes_sent")
 
     async def _post_recv_async(self, peer: bytes, tags: list[int], msgs: Messages) -> Op:
         ucp = self._ucx.ucp
@@ -252,6 +246,17 @@ class RequestPoller:
                 self._ops.discard(op)  # everything arrived before the cancel
                 return 0
         return await self._settle(op)
+
+    async def _finish(self, op: Op, timeout: float, messages: str, nbytes: str) -> None:
+        """Wait for a posted send or read: on failure settle it and raise its error; else
+        count its messages and bytes under the two counters named."""
+        error = await self._wait_op(op, timeout)
+        if error is not None:
+            await self._settle(op)
+            raise error
+        if op in self._ops:
+            self._ops.discard(op)
+            self._count(messages, len(op.sizes), nbytes, sum(op.sizes))
 
     async def _wait_op(self, op: Op, timeout: float) -> TransferError | None:
         """None when every request succeeded within `timeout`, else the error to raise."""

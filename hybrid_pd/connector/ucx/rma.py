@@ -172,13 +172,7 @@ class RemoteReads:
             raise TransferError(f"UCX read failed to start: {e}") from e
         self._posted(op)
         self._progress_reads(op)
-        error = await self._wait_op(op, timeout)
-        if error is not None:
-            await self._settle(op)
-            raise error
-        if op in self._ops:
-            self._ops.discard(op)
-            self._count("messages_read", len(sizes), "bytes_read", sum(sizes))
+        await self._finish(op, timeout, "messages_read", "bytes_read")
 
     def _progress_reads(self, op) -> None:
         """Progress the worker from this (the loop) thread right after posting, so that a
