@@ -82,8 +82,8 @@ class DecodeConnector(TwoSidedPulls):
         ranks' pools, rank order (a tensor-parallel worker, or any worker pulling from
         one: `connector.tp_plan`). `max_staged_loads`: staged loads followed at once (more
         wait their turn; none holds a thread while its prefill runs). `one_sided`: read
-        from peers that offer their memory (`connector.onesided`; default: unless
-        HYBRID_PD_UCX_ONESIDED=0)."""
+        from peers that offer their memory (`connector.onesided`; default: with
+        HYBRID_PD_UCX_ONESIDED=1 only)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id

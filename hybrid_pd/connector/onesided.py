@@ -15,9 +15,11 @@ for the whole read (a lease never comes back), and a kept block is never written
 bytes read are the kept KV. A refusal voids them (the decode side recomputes, or pulls a
 staged block again).
 
-`HYBRID_PD_UCX_ONESIDED=0` turns it off in a process (a prefill worker then offers no
-memory, a decode worker uses none): pulls are two-sided, as they are with a peer whose
-pools cannot be mapped (GPU pools for now) or whose plan has no `read_pieces`.
+It is opt-in: `HYBRID_PD_UCX_ONESIDED=1` in both processes (a prefill worker without it
+offers no memory, a decode worker without it uses none). Otherwise pulls are two-sided, as
+they are with a peer whose pools cannot be mapped (GPU pools for now) or whose plan has no
+`read_pieces`. It stays off by default until a prefill that dies mid-read no longer takes
+the reading process with it (see `enabled`).
 """
 
 from __future__ import annotations
@@ -45,9 +47,11 @@ ENV = "HYBRID_PD_UCX_ONESIDED"
 
 
 def enabled() -> bool:
-    """Whether this process pulls (and offers its memory) one-sided: on unless
-    HYBRID_PD_UCX_ONESIDED=0."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether this process pulls (and offers its memory) one-sided: only with
+    HYBRID_PD_UCX_ONESIDED=1, in both processes. Off by default: a CMA read from a prefill
+    process that dies during the read makes UCX abort the reading (decode) process, taking
+    its other requests' streams down with it (they migrate, but the worker restarts)."""
+    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 class Exposure:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from hybrid_pd.connector.onesided import ENV as ONESIDED_ENV
 from hybrid_pd.engine.engine import Engine, EngineConfig
 from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.sampling import SamplingParams
@@ -22,8 +23,14 @@ class Pair:
     """A prefill worker and a decode worker (real processes) plus their clients. The two
     start side by side: the prefill worker gets its port up front, decode its address."""
 
-    def __init__(self, path: Path, *, prefill_args=(), decode_args=(), env=None, log=None):
+    def __init__(
+        self, path: Path, *, prefill_args=(), decode_args=(), env=None, log=None, one_sided=False
+    ):
+        """`env`: the prefill worker's extra environment; `one_sided`: both workers pull
+        one-sided (HYBRID_PD_UCX_ONESIDED=1, off by default)."""
         common = ["--model", str(path), "--kv-memory", KV_MEMORY, "--threads", "1"]
+        both = {ONESIDED_ENV: "1" if one_sided else "0"}
+        env = {**both, **(env or {})}
         port = free_port()
         with ThreadPoolExecutor(2) as ex:  # leaving the block waits for both starts
             starts = [
@@ -33,7 +40,7 @@ class Pair:
                 ),
                 ex.submit(
                     start_worker, "decode", *common, "--peer", f"127.0.0.1:{port}",
-                    *decode_args, log=log,
+                    *decode_args, env=both, log=log,
                 ),
             ]  # fmt: skip
         failed = [f.exception() for f in starts if f.exception() is not None]

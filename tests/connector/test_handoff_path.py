@@ -150,6 +150,7 @@ def test_one_sided_pull_reads_exactly_the_kept_blocks_and_sends_nothing(caplog):
         region=PoolRegions(lambda: src),
         transport=tp,
         secret=SECRET,
+        one_sided=True,  # opt-in (HYBRID_PD_UCX_ONESIDED=1 in a worker)
     )
     decode = None
     try:
@@ -162,6 +163,7 @@ def test_one_sided_pull_reads_exactly_the_kept_blocks_and_sends_nothing(caplog):
             region=PoolRegions(lambda: dst),
             secret=SECRET,
             peers=(address,),
+            one_sided=True,
         )
         decode.dial(address)
         n_groups = len(layout.groups)

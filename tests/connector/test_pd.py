@@ -33,7 +33,7 @@ LENGTHS = (5, 3 * SW_WINDOW + 1, 9 * MAMBA_CHUNK + 3)
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
 def arch(request, checkpoint):
     path = checkpoint(request.param)
-    pair = Pair(path)
+    pair = Pair(path, one_sided=True)  # both pull paths: two-sided in the test below
     try:
         yield request.param, path, pair, reference_engine(path)
     finally:
@@ -58,7 +58,7 @@ def test_pd_output_equals_single_engine(arch):
         # Bytes shipped are the computed minimum: every group's needed pages, nothing more.
         assert out.transfer["bytes"] == kv_config.bytes_per_request(n)
         assert not out.transfer["recomputed"]
-        # Decode read the blocks itself (one-sided, the default), one read per run of
+        # Decode read the blocks itself (one-sided, as this pair asks), one read per run of
         # blocks, and the prefill worker confirmed that read.
         assert pair.prefill.stats()["prefill_connector"]["read_pulls"] == reads + 1
         assert 1 <= out.transfer["messages"] <= len(kv_config.groups) * (n + 1)
@@ -76,13 +76,13 @@ def test_pd_output_equals_single_engine(arch):
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_two_sided_pulls_and_the_scatter_gather_flag(checkpoint, packed):
-    """A prefill worker with one-sided reads off (HYBRID_PD_UCX_ONESIDED=0) sends: however
+    """A pair with one-sided reads off (the default) pulls two-sided, prefill sends: however
     the blocks lie in the two pools, one scatter-gather message carries them; with
     `--no-kv-scatter-gather` one UCX message per run of blocks. The output is the same."""
     path = checkpoint("gemma3")
     ref = reference_engine(path)
     decode_args = [] if packed else ["--no-kv-scatter-gather"]
-    pair = Pair(path, decode_args=decode_args, env={"HYBRID_PD_UCX_ONESIDED": "0"})
+    pair = Pair(path, decode_args=decode_args)
     try:
         sampling = sampling_to_pb(SamplingParams(max_tokens=N_NEW, ignore_eos=True))
         messages = []
@@ -176,7 +176,7 @@ def test_stats_reply_is_typed(arch):
     pre, dec = replies["prefill"], replies["decode"]
     assert pre.prefill.leases == 0
     assert pre.prefill.connector.handed_over >= 1 and pre.prefill.connector.pulled >= 1
-    # the pulls were read one-sided (the default): the prefill worker counts what it
+    # the pulls were read one-sided (this pair asks for it): the prefill worker counts what it
     # confirmed and sent nothing; decode's transport counts the bytes it read
     assert pre.prefill.connector.bytes_sent >= moved and pre.transport.bytes_sent == 0
     assert pre.prefill.connector.read_pulls == pre.prefill.connector.pulled

@@ -34,7 +34,9 @@ SLOW = {"HYBRID_PD_INJECT_FAULT": "slow_prefill:0.15"}  # each step of a staged 
 @pytest.fixture(scope="module", params=["gemma3", "qwen3_5", "granite_hybrid", "mistral"])
 def overlap_pair(request, checkpoint):
     path = checkpoint(request.param)
-    pair = Pair(path, prefill_args=["--max-num-batched-tokens", str(CHUNK)], env=SLOW)
+    pair = Pair(
+        path, prefill_args=["--max-num-batched-tokens", str(CHUNK)], env=SLOW, one_sided=True
+    )
     try:
         yield request.param, pair, reference_engine(path)
     finally:

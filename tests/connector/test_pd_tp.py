@@ -53,6 +53,7 @@ def test_pd_between_tp_sizes_equals_single_engine(name, p_tp, d_tp, checkpoint):
         path,
         prefill_args=("--tensor-parallel-size", str(p_tp)),
         decode_args=("--tensor-parallel-size", str(d_tp)),
+        one_sided=True,
     )
     try:
         sampling = sampling_to_pb(SamplingParams(max_tokens=N_NEW, ignore_eos=True))

@@ -135,7 +135,7 @@ def worker_stats(role: str) -> dict:
         out["prefill_connector"] = dict.fromkeys(
             ("handed_over", "pulled", "released", "expired", "aborted", "bad_token"), 1
         ) | {"bytes_sent": 1 << 40, "messages_sent": 7, "staged": 2, "staged_pulls": 5}
-        out["prefill_connector"] |= {"staged_bytes": 1 << 30, "staged_void": 1}
+        out["prefill_connector"] |= {"staged_bytes": 1 << 30, "staged_void": 1, "read_pulls": 4}
     if role in ("decode", "both"):
         out["decode_connector"] = {
             "pulls": 3,
@@ -167,6 +167,9 @@ def worker_stats(role: str) -> dict:
                 "pending_ops",
                 "orphan_sends",
                 "drain_pending",
+                "messages_read",
+                "bytes_read",
+                "get_failures",
             )
         )
     }

@@ -33,6 +33,8 @@ FAMILIES = {
 }
 MAX_TOKENS = 12
 ZEROS_MARK = "hpd-zero-sends"
+#: Both servers pull one-sided (opt-in; the other vLLM tests run the default, two-sided).
+ONE_SIDED = {"HYBRID_PD_UCX_ONESIDED": "1"}
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -111,7 +113,7 @@ def pd(request, tmp_path_factory):
         role="kv_producer",
         extra={"control_port": control, "secret_file": str(secret)},
         cpus=prefill_cpus,
-        env={**env, "HYBRID_PD_INJECT_FAULT": f"zero_sends:{ZEROS_MARK}"},
+        env={**env, **ONE_SIDED, "HYBRID_PD_INJECT_FAULT": f"zero_sends:{ZEROS_MARK}"},
         single_process=True,
     )
     decode = Server(
@@ -124,7 +126,7 @@ def pd(request, tmp_path_factory):
         # router whose prefill pool changes).
         extra={"secret_file": str(secret)},
         cpus=decode_cpus,
-        env={**env, "HYBRID_PD_INJECT_FAULT": f"zero_sends:{ZEROS_MARK}"},
+        env={**env, **ONE_SIDED, "HYBRID_PD_INJECT_FAULT": f"zero_sends:{ZEROS_MARK}"},
         single_process=True,
     )
     servers = (prefill, decode)
@@ -213,7 +215,7 @@ def test_bytes_sent_equal_bytes_pulled_and_nothing_leaks(pd):
     sent = m.get("hybrid_pd_kv_bytes_sent_total", 0)
     assert sent > 0
     assert sent == pd.decode.metrics()["hybrid_pd_kv_bytes_pulled_total"]
-    # decode read them one-sided (the default); the prefill server confirmed every pull
+    # decode read them one-sided (as asked); the prefill server confirmed every pull
     assert m["hybrid_pd_kv_read_pulls_total"] == m["hybrid_pd_kv_pulled_from_total"] > 0
 
 
