@@ -1,6 +1,7 @@
 """Linears in C: one input row (`gemv`, float32 or bfloat16) and rows against a weight packed
-into panels (`pack_panels`, `panel_linear`; float32, or bfloat16 summed in float32). Source `csrc/linears.c`. Each returns None
-where its kernel does not apply (then the caller takes oneDNN's GEMM)."""
+into panels (`pack_panels`, `panel_linear`; float32, or bfloat16 summed in float32). Source
+`csrc/linears.c`. Each returns None where its kernel does not apply (then the caller takes
+oneDNN's GEMM)."""
 
 from __future__ import annotations
 
