@@ -803,8 +803,8 @@ def test_panel_linear_declines_what_it_does_not_take():
     w = torch.randn(40, 16)
     panels = cpu_kernels.pack_panels(w)
     x = torch.randn(2, 16)
-    assert cpu_kernels.pack_panels(w.bfloat16()) is None
-    assert cpu_kernels.panel_linear(x.bfloat16(), panels, 40) is None
+    assert cpu_kernels.pack_panels(w.half()) is None
+    assert cpu_kernels.panel_linear(x.bfloat16(), panels, 40) is None  # not the panels' dtype
     assert cpu_kernels.panel_linear(x, panels, 65) is None  # more outputs than the panels hold
     assert cpu_kernels.panel_linear(x, panels, 32) is None  # a whole panel fewer
     assert cpu_kernels.panel_linear(torch.randn(2, 8), panels, 40) is None
