@@ -114,7 +114,7 @@ def panel_linear(
     elif rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
-    y = rows.new_empty(m, n)
+    y = x.new_empty(m, n)
     fn = lib.panel_linear_bf16 if bf16 else lib.panel_linear_f32
     code = fn(
         m, n, k, panels.data_ptr(), rows.data_ptr(), rows.stride(0),
@@ -123,5 +123,4 @@ def panel_linear(
     )  # fmt: skip
     if bf16:
         check_code("panel_linear_bf16", code)
-        y = y.to(dtype)
     return y.view(*x.shape[:-1], n)

@@ -96,8 +96,9 @@ void gemv_bf16(long k, const uint16_t *w, const float *x, const uint16_t *bias, 
 #define ROW_BLOCK_BYTES (256 * 1024)
 
 /* y = x W^T + bias for m rows of x (xs elements apart, k contiguous) into y [m, n]
- * (contiguous), W [n, k] packed as panels [ceil(n / PANEL), k, PANEL] (panel p holds
- * columns p PANEL .. p PANEL + PANEL - 1, zero past n), float32, or bfloat16 (`bf16`) widened
+ * (contiguous; bfloat16 with `bf16`, each sum rounded once), W [n, k] packed as panels
+ * [ceil(n / PANEL), k, PANEL] (panel p holds columns p PANEL .. p PANEL + PANEL - 1, zero
+ * past n), float32, or bfloat16 (`bf16`) widened
  * panel by panel into `scratch` ([k, PANEL] float32, in the core's L2 cache) where the
  * processor has no bfloat16 arithmetic: once per panel per block of rows, then the same
  * float32 tile runs over it (bfloat16 to float32 is exact, so the sums are the float32
@@ -111,7 +112,7 @@ void gemv_bf16(long k, const uint16_t *w, const float *x, const uint16_t *bias, 
  * go in blocks that stay in the cache while the panels pass. */
 static inline __attribute__((always_inline)) void
 panel_range(long m, long n, long k, const void *panels, const float *x, long xs,
-            const float *bias, float *y, long p0, long p1, const int bf16, float *scratch)
+            const float *bias, void *y, long p0, long p1, const int bf16, float *scratch)
 {
     long block = ROW_BLOCK_BYTES / (long)sizeof(float) / (k > 0 ? k : 1) / TILE_ROWS * TILE_ROWS;
     block = block < TILE_ROWS ? TILE_ROWS : block;
@@ -131,17 +132,27 @@ panel_range(long m, long n, long k, const void *panels, const float *x, long xs,
             const float *b = bias ? bias + p * PANEL : NULL;
             for (long r0 = b0; r0 < b1; r0 += TILE_ROWS) {
                 const float *xr = x + r0 * xs;
-                float *yr = y + r0 * n + p * PANEL;
-                switch (b1 - r0 < TILE_ROWS ? (int)(b1 - r0) : TILE_ROWS) {
+                const int rows = b1 - r0 < TILE_ROWS ? (int)(b1 - r0) : TILE_ROWS;
+                /* bfloat16: the tile's float32 sums into `out`, rounded into y below */
+                float out[TILE_ROWS * PANEL];
+                float *yr = bf16 ? out : (float *)y + r0 * n + p * PANEL;
+                const long ys = bf16 ? PANEL : n;
+                switch (rows) {
 #define TILE(R)                                                                                \
     case R:                                                                                    \
-        panel_tile(TILE_R(R), k, w, xr, xs, b, yr, n, cols);                                   \
+        panel_tile(TILE_R(R), k, w, xr, xs, b, yr, ys, cols);                                  \
         break;
                     TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7)
                 default:
-                    panel_tile(TILE_ROWS, k, w, xr, xs, b, yr, n, cols);
+                    panel_tile(TILE_ROWS, k, w, xr, xs, b, yr, ys, cols);
 #undef TILE
                 }
+                if (bf16)
+                    for (int r = 0; r < rows; r++) {
+                        uint16_t *yb = (uint16_t *)y + (r0 + r) * n + p * PANEL;
+                        for (int l = 0; l < cols; l++)
+                            yb[l] = float_bf16(out[r * PANEL + l]);
+                    }
             }
         }
     }
@@ -159,11 +170,12 @@ void panel_linear_f32(long m, long n, long k, const float *panels, const float *
     SPLIT_ROWS(count, panel_range(m, n, k, panels, x, xs, bias, y, r0, r0 + nr, 0, NULL);)
 }
 
-/* panel_linear_f32 with the panels in bfloat16 (x, bias and y float32): each thread widens
- * its panels one at a time into its own scratch. 0, or -1 where the scratch could not be
- * allocated (then nothing was written). */
+/* panel_linear_f32 with the panels and y in bfloat16 (x and bias float32: the caller widens
+ * them once): each thread widens its panels one at a time into its own scratch, and rounds
+ * each float32 output once. 0, or -1 where the scratch could not be allocated (then nothing
+ * was written). */
 int panel_linear_bf16(long m, long n, long k, const uint16_t *panels, const float *x, long xs,
-                      const float *bias, float *y, int threads)
+                      const float *bias, uint16_t *y, int threads)
 {
     const long count = (n + PANEL - 1) / PANEL;
     const size_t bytes = ((size_t)(k > 0 ? k : 1) * PANEL * sizeof(float) + 63) / 64 * 64;
