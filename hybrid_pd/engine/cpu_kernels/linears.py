@@ -115,8 +115,7 @@ def panel_linear(
         rows = rows.contiguous()
     m = rows.shape[0]
     y = x.new_empty(m, n)
-    fn = lib.panel_linear_bf16 if bf16 else lib.panel_linear_f32
-    code = fn(
+    code = variant(lib, "panel_linear", dtype)(
         m, n, k, panels.data_ptr(), rows.data_ptr(), rows.stride(0),
         ptr(bias), y.data_ptr(),
         min(kernel_threads(), count),
