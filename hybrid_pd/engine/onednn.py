@@ -5,7 +5,10 @@ code path: about 85 GFLOP/s on one Zen 5 core, against about 210 GFLOP/s for one
 AVX-512 kernels (the ones vLLM's CPU build uses). A prefill step is mostly these GEMMs, so
 this is most of the gap to vLLM there. oneDNN sums in a different order than MKL: results
 agree to float32 rounding, not bit for bit. bfloat16 takes this path only where oneDNN has
-bfloat16 kernels for the processor (`onednn_dtype`); an AVX2-only CPU keeps `F.linear` for it.
+bfloat16 kernels for the processor (`onednn_dtype`); on a CPU without them (AVX2 only) a
+packed bfloat16 weight of two or more rows goes to the C kernels' panels, which keep the
+weight in bfloat16 and compute in float32 (about 4x `F.linear`'s bfloat16 there), and an
+unpacked one keeps `F.linear`.
 
 A float32 weight that is packed once (`pack_weight`: every `OneDnnLinear`, `FusedLinears`
 and `PackedWeights`) goes to the C kernels' own GEMM instead (`cpu_kernels.panel_linear`,
@@ -13,11 +16,13 @@ the weight reordered into panels of 32 output columns): for the few rows of a de
 it reads the weights at about the memory's speed, where oneDNN's small-row kernels reach
 12-14 GB/s here (batch 8: 1.5-1.8x faster); for many rows the two are bound by the
 multiply-adds alike. It splits its panels over torch's own OpenMP threads; where it cannot
-(`cpu_kernels.threads_match`), float32 keeps oneDNN's threaded GEMM (`pack_weight`). Each
-of its outputs is one sum in order, so a row's result depends neither on the batch it is
-in nor on the thread count. One input row of any other weight (bfloat16, or not packed)
-goes to `cpu_kernels.gemv` where it applies: that step waits on memory, and the kernel
-reads the weights faster than the library.
+(`cpu_kernels.threads_match`), float32 keeps oneDNN's threaded GEMM (`pack_weight`), and
+bfloat16 without bfloat16 kernels `F.linear`. Each of its outputs is one sum in order, so
+a row's result depends neither on the batch it is in nor on the thread count (bfloat16: nor
+on which batch of two or more rows). One input row of any other weight (bfloat16, or not
+packed) goes to `cpu_kernels.gemv` where it applies: that step waits on memory, and the
+kernel reads the weights faster than the library (and twice as fast as the bfloat16
+panels' widening), so a bfloat16 row alone sums in gemv's order, in a batch in the panels'.
 """
 
 from __future__ import annotations
@@ -75,9 +80,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def _panel_dtype(dtype: torch.dtype) -> bool:
+    """Whether a weight of `dtype` is packed into the C kernels' panels: float32 always,
+    bfloat16 only where oneDNN has no bfloat16 kernels for this processor (`onednn_dtype`;
+    the panels then compute in float32, several times faster than `F.linear` in bfloat16
+    there). Where it has them, bfloat16 stays on oneDNN's native bfloat16 GEMM."""
+    return dtype is torch.float32 or (dtype is torch.bfloat16 and not onednn_dtype(dtype))
+
+
 @dataclass(frozen=True)
 class Panels:
-    """A float32 weight as `cpu_kernels.pack_panels` reorders it, with its output count."""
+    """A weight as `cpu_kernels.pack_panels` reorders it (float32, or bfloat16 where
+    `_panel_dtype`), with its output count."""
 
     data: torch.Tensor  # [ceil(n / 32), in, 32]
     n: int
@@ -97,7 +111,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | Panels | None:
     spinning ones lost (on two threads a batch-8 prefill took 2.1 s against 1.5 s)."""
     if weight.device.type != "cpu":
         return None
-    if weight.dtype is torch.float32 and cpu_kernels.threads_match():
+    if _panel_dtype(weight.dtype) and cpu_kernels.threads_match():
         panels = cpu_kernels.pack_panels(weight)
         if panels is not None:
             return Panels(panels, weight.shape[0])
@@ -146,12 +160,22 @@ def run_packed(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _panels_take(x: torch.Tensor, packed) -> bool:
+    """Whether x goes to the panels before `gemv`: float32 panels at every row count,
+    bfloat16 panels for two or more rows."""
+    if not isinstance(packed, Panels):
+        return False
+    return packed.data.dtype is torch.float32 or x.dim() != 2 or x.shape[0] != 1
+
+
 def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, packed, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`linear(x, weight, bias)` through `packed`, the `pack_weight` copy of `weight`:
-    panels for every row count, a oneDNN pack for two or more rows (one row: `gemv`)."""
-    if isinstance(packed, Panels) and (y := run_packed(x, packed, bias)) is not None:
+    float32 panels for every row count; bfloat16 panels and a oneDNN pack for two or more
+    rows (one row: `gemv`, which reads the bfloat16 weight about twice as fast as the
+    panels' widening)."""
+    if _panels_take(x, packed) and (y := run_packed(x, packed, bias)) is not None:
         return y
     if (y := _one_row(x, weight, bias)) is not None:
         return y
@@ -222,8 +246,9 @@ class FusedLinears:
         return tuple(m(x) for m in self.linears)
 
     def _panels(self, x: torch.Tensor) -> bool:
-        """Whether x goes through the C kernels' panels (float32 weights, kernels built)."""
-        return x.dtype is torch.float32 and isinstance(self._packed(x)[0], Panels)
+        """Whether x (one row) goes through the C kernels' panels rather than `gemv`
+        (`_panels_take`: float32 panels, kernels built)."""
+        return _panels_take(x, self._packed(x)[0])
 
     def _packed(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if x.device.type != "cpu" or not x.numel():

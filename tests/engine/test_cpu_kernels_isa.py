@@ -35,6 +35,11 @@ for m, n, k in [(1, 100, 64), (7, 96, 130), (256, 200, 768)]:
     y = ck.panel_linear(x, ck.pack_panels(w), n, b)
     out["err"][f"panel {m}x{n}x{k}"] = rel(y, torch.nn.functional.linear(x, w, b))
     bits.update(y.numpy().tobytes())
+    yb = ck.panel_linear(x.bfloat16(), ck.pack_panels(w.bfloat16()), n, b.bfloat16())
+    wide = ck.panel_linear(x.bfloat16().float(), ck.pack_panels(w.bfloat16().float()), n,
+                           b.bfloat16().float())
+    out["err"][f"bf16 panel {m}x{n}x{k}"] = rel(yb, wide.bfloat16())  # bit for bit: 0
+    bits.update(yb.view(torch.int16).numpy().tobytes())
     g = ck.gemv(x[0], w, b)
     out["err"][f"gemv {n}x{k}"] = rel(g, torch.nn.functional.linear(x[0], w, b))
     bits.update(g.numpy().tobytes())

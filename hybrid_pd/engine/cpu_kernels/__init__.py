@@ -7,10 +7,12 @@ element-wise chains (act(gate) * up, the norms) that PyTorch runs as a pass and 
 per operation. And one linear runs slower in a library than the memory allows: one input
 row (`gemv`), where a one-sequence decode step waits on memory and the GEMM leaves the
 core's prefetchers short; and a few rows (`panel_linear`, float32), where oneDNN's
-small-row kernels read the weights at 12-14 GB/s. Decode attention (`decode_attention`)
-reads each sequence's keys and values where they lie in the pool, where PyTorch would
-first gather them into a padded copy and mask it. Those kernels live in `csrc/`, plain C11
-without PyTorch headers, one file per family beside this package's wrapper module for it:
+small-row kernels read the weights at 12-14 GB/s (bfloat16 too where the processor has no
+bfloat16 kernels: summed in float32, about 4x `F.linear` there). Decode attention
+(`decode_attention`) reads each sequence's keys and values where they lie in the pool,
+where PyTorch would first gather them into a padded copy and mask it. Those kernels live in
+`csrc/`, plain C11 without PyTorch headers, one file per family beside this package's
+wrapper module for it:
 
     scans.c / scans.py            gdn_recurrent, gdn_step, ssd_scan, ssd_step, conv_silu,
                                   conv_step_silu (state scans and convolutions)

@@ -56,6 +56,8 @@ def declare(lib: ctypes.CDLL) -> None:
         getattr(lib, name).restype = None
     lib.panel_linear_f32.argtypes = [long_] * 3 + [p, p, long_, p, p, i]
     lib.panel_linear_f32.restype = None
+    lib.panel_linear_bf16.argtypes = [long_] * 3 + [p, p, long_, p, p, i]
+    lib.panel_linear_bf16.restype = i
     lib.panel_width.argtypes = []
     lib.panel_width.restype = i
     # decode_attention.c

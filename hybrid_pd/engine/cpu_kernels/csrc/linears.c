@@ -1,5 +1,6 @@
 /* Linears: one input row against a row-major weight (gemv, float32 or bfloat16), and a few
- * or many rows against a float32 weight packed into panels (panel_linear). */
+ * or many rows against a weight packed into panels (panel_linear: float32, or bfloat16 widened
+ * to float32 panel by panel). */
 #include "common.h"
 #include "panel_tile.h"
 
@@ -95,8 +96,13 @@ void gemv_bf16(long k, const uint16_t *w, const float *x, const uint16_t *bias, 
 #define ROW_BLOCK_BYTES (256 * 1024)
 
 /* y = x W^T + bias for m rows of x (xs elements apart, k contiguous) into y [m, n]
- * (contiguous), W [n, k] packed as panels [ceil(n / PANEL), k, PANEL] (panel p holds
- * columns p PANEL .. p PANEL + PANEL - 1, zero past n).
+ * (contiguous; bfloat16 with `bf16`, each sum rounded once), W [n, k] packed as panels
+ * [ceil(n / PANEL), k, PANEL] (panel p holds columns p PANEL .. p PANEL + PANEL - 1, zero
+ * past n), float32, or bfloat16 (`bf16`) widened
+ * panel by panel into `scratch` ([k, PANEL] float32, in the core's L2 cache) where the
+ * processor has no bfloat16 arithmetic: once per panel per block of rows, then the same
+ * float32 tile runs over it (bfloat16 to float32 is exact, so the sums are the float32
+ * kernel's on the widened weights, bit for bit).
  *
  * A panel's weights are read in order, once per TILE_ROWS rows of x (from the cache after
  * the first), and every sum stays in a register until it is stored: no sums across vector
@@ -104,30 +110,49 @@ void gemv_bf16(long k, const uint16_t *w, const float *x, const uint16_t *bias, 
  * weights at about the memory's speed (a library GEMM's small-row kernels ran at 12-14 GB/s
  * here); for many rows it is bound by the multiply-adds, as a library's is, and the rows
  * go in blocks that stay in the cache while the panels pass. */
-static void panel_range(long m, long n, long k, const float *panels, const float *x, long xs,
-                        const float *bias, float *y, long p0, long p1)
+static inline __attribute__((always_inline)) void
+panel_range(long m, long n, long k, const void *panels, const float *x, long xs,
+            const float *bias, void *y, long p0, long p1, const int bf16, float *scratch)
 {
     long block = ROW_BLOCK_BYTES / (long)sizeof(float) / (k > 0 ? k : 1) / TILE_ROWS * TILE_ROWS;
     block = block < TILE_ROWS ? TILE_ROWS : block;
     for (long b0 = 0; b0 < m; b0 += block) {
         const long b1 = b0 + block < m ? b0 + block : m;
         for (long p = p0; p < p1; p++) {
-            const float *w = panels + p * k * PANEL;
+            const float *w;
+            if (bf16) {
+                const uint16_t *src = (const uint16_t *)panels + p * k * PANEL;
+                for (long i = 0; i < k * PANEL; i++)
+                    scratch[i] = bits_float((uint32_t)src[i] << 16);
+                w = scratch;
+            } else {
+                w = (const float *)panels + p * k * PANEL;
+            }
             const int cols = n - p * PANEL < PANEL ? (int)(n - p * PANEL) : PANEL;
             const float *b = bias ? bias + p * PANEL : NULL;
             for (long r0 = b0; r0 < b1; r0 += TILE_ROWS) {
                 const float *xr = x + r0 * xs;
-                float *yr = y + r0 * n + p * PANEL;
-                switch (b1 - r0 < TILE_ROWS ? (int)(b1 - r0) : TILE_ROWS) {
+                const int rows = b1 - r0 < TILE_ROWS ? (int)(b1 - r0) : TILE_ROWS;
+                /* bfloat16: the tile's float32 sums into `out`, rounded into y below */
+                float out[TILE_ROWS * PANEL];
+                float *yr = bf16 ? out : (float *)y + r0 * n + p * PANEL;
+                const long ys = bf16 ? PANEL : n;
+                switch (rows) {
 #define TILE(R)                                                                                \
     case R:                                                                                    \
-        panel_tile(TILE_R(R), k, w, xr, xs, b, yr, n, cols);                                   \
+        panel_tile(TILE_R(R), k, w, xr, xs, b, yr, ys, cols);                                  \
         break;
                     TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7)
                 default:
-                    panel_tile(TILE_ROWS, k, w, xr, xs, b, yr, n, cols);
+                    panel_tile(TILE_ROWS, k, w, xr, xs, b, yr, ys, cols);
 #undef TILE
                 }
+                if (bf16)
+                    for (int r = 0; r < rows; r++) {
+                        uint16_t *yb = (uint16_t *)y + (r0 + r) * n + p * PANEL;
+                        for (int l = 0; l < cols; l++)
+                            yb[l] = float_bf16(out[r * PANEL + l]);
+                    }
             }
         }
     }
@@ -142,5 +167,28 @@ void panel_linear_f32(long m, long n, long k, const float *panels, const float *
                       const float *bias, float *y, int threads)
 {
     const long count = (n + PANEL - 1) / PANEL;
-    SPLIT_ROWS(count, panel_range(m, n, k, panels, x, xs, bias, y, r0, r0 + nr);)
+    SPLIT_ROWS(count, panel_range(m, n, k, panels, x, xs, bias, y, r0, r0 + nr, 0, NULL);)
+}
+
+/* panel_linear_f32 with the panels and y in bfloat16 (x and bias float32: the caller widens
+ * them once): each thread widens its panels one at a time into its own scratch, and rounds
+ * each float32 output once. 0, or -1 where the scratch could not be allocated (then nothing
+ * was written). */
+int panel_linear_bf16(long m, long n, long k, const uint16_t *panels, const float *x, long xs,
+                      const float *bias, uint16_t *y, int threads)
+{
+    const long count = (n + PANEL - 1) / PANEL;
+    const size_t bytes = ((size_t)(k > 0 ? k : 1) * PANEL * sizeof(float) + 63) / 64 * 64;
+    int failed = 0;
+    SPLIT_ROWS(count, {
+        float *scratch = aligned_alloc(64, bytes);
+        if (scratch == NULL) {
+            _Pragma("omp atomic write") failed = 1;
+        }
+        _Pragma("omp barrier")
+        if (!failed)
+            panel_range(m, n, k, panels, x, xs, bias, y, r0, r0 + nr, 1, scratch);
+        free(scratch);
+    })
+    return failed ? -1 : 0;
 }
