@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -39,23 +41,62 @@ def _wait(cond, timeout: float) -> bool:
     return True
 
 
-def test_pull_sends_from_the_control_loop_and_stamps_each_stage(caplog):
+@dataclass
+class _Handoff:
+    """Two connectors over torch pools (`src` kept by prefill, `dst` filled by decode),
+    a KVControl server and two UCX transports on loopback."""
+
+    layout: KVLayout
+    src: torch.Tensor
+    dst: torch.Tensor
+    freed: list
+    tp: object
+    td: object
+    prefill: PrefillConnector
+    decode: DecodeConnector
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.layout.groups)
+
+    def pull_r(self, caplog) -> tuple:
+        """Keep two blocks a group for request "r", pull them into others: (pull stats,
+        the request's timeline stamps); the bytes arrived equal."""
+        kept = tuple([1 + 3 * i, 2 + 3 * i] for i in range(self.n_groups))
+        _, raw = self.prefill.request_finished_all_groups(_Req("r", [1] * 8, [7]), kept)
+        params = KVTransferParams.from_dict(raw)
+        dst_ids = tuple([12 + 3 * i, 13 + 3 * i] for i in range(self.n_groups))
+        caplog.set_level(logging.DEBUG, logger=timeline.__name__)
+        stats = self.decode.pull(params, dst_ids)
+        for s_ids, d_ids in zip(kept, dst_ids, strict=True):
+            for s, d in zip(s_ids, d_ids, strict=True):
+                assert torch.equal(self.dst[d], self.src[s])
+        assert self.freed == ["r"] and self.prefill.num_leases == 0  # released once
+        return stats, timeline.parse(r.getMessage() for r in caplog.records)["r"]
+
+
+@contextmanager
+def _handoff(seed: int, one_sided: bool):
     layout = KVLayout.of(plan_groups(model(), block_size=4), "m")
-    page = layout.page_size_bytes
-    g = torch.Generator().manual_seed(3)
-    src = torch.randint(0, 256, (24, page), dtype=torch.uint8, generator=g)
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(0, 256, (24, layout.page_size_bytes), dtype=torch.uint8, generator=g)
     dst = torch.zeros_like(src)
     freed: list[str] = []
     tp, td = start_transport("127.0.0.1"), start_transport("127.0.0.1")
     server, address = open_server("127.0.0.1", 0, SECRET)
+    # one-sided reads need pools the transports can map (PoolRegions); the two-sided
+    # path takes any region function
+    src_region = PoolRegions(lambda: src) if one_sided else (lambda b, n: src[b : b + n])
+    dst_region = PoolRegions(lambda: dst) if one_sided else (lambda b, n: dst[b : b + n])
     prefill = PrefillConnector(
         engine_id="p",
         layout=layout,
         control_address=address,
         free_blocks=freed.append,
-        region=lambda b, n: src[b : b + n],
+        region=src_region,
         transport=tp,
         secret=SECRET,
+        one_sided=one_sided,  # opt-in in a worker (HYBRID_PD_UCX_ONESIDED=1)
     )
     decode = None
     try:
@@ -65,27 +106,29 @@ def test_pull_sends_from_the_control_loop_and_stamps_each_stage(caplog):
             engine_id="d",
             layout=layout,
             transport=td,
-            region=lambda b, n: dst[b : b + n],
+            region=dst_region,
             secret=SECRET,
             peers=(address,),
+            one_sided=one_sided,
         )
         decode.dial(address)
+        yield _Handoff(layout, src, dst, freed, tp, td, prefill, decode)
+    finally:
+        if decode is not None:
+            decode.close()
+        server.stop()
+        prefill.close()
+        tp.close()
+        td.close()
+
+
+def test_pull_sends_from_the_control_loop_and_stamps_each_stage(caplog):
+    with _handoff(3, one_sided=False) as h:
         # the handshake made the prefill's UCX endpoint to us, in the background
-        assert _wait(lambda: tp.endpoint_count == 1, 10.0)
-        n_groups = len(layout.groups)
-        kept = tuple([1 + 3 * i, 2 + 3 * i] for i in range(n_groups))
-        _, raw = prefill.request_finished_all_groups(_Req("r", [1] * 8, [7]), kept)
-        params = KVTransferParams.from_dict(raw)
-        dst_ids = tuple([12 + 3 * i, 13 + 3 * i] for i in range(n_groups))
-        caplog.set_level(logging.DEBUG, logger=timeline.__name__)
-        stats = decode.pull(params, dst_ids)
-        for s_ids, d_ids in zip(kept, dst_ids, strict=True):
-            for s, d in zip(s_ids, d_ids, strict=True):
-                assert torch.equal(dst[d], src[s])
-        assert stats.bytes == 2 * n_groups * page
-        assert freed == ["r"] and prefill.num_leases == 0  # released once, after the pull
+        assert _wait(lambda: h.tp.endpoint_count == 1, 10.0)
+        stats, stamps = h.pull_r(caplog)
+        assert stats.bytes == 2 * h.n_groups * h.layout.page_size_bytes
         assert not [t for t in threading.enumerate() if t.name.startswith("kv-send")]
-        stamps = timeline.parse(r.getMessage() for r in caplog.records)["r"]
         seen = [s for s in STAGES if s in stamps]
         assert seen == [
             "peer_ready",
@@ -101,13 +144,6 @@ def test_pull_sends_from_the_control_loop_and_stamps_each_stage(caplog):
         assert times == sorted(times)
         deltas = stage_deltas(stamps)
         assert set(deltas) == set(seen[1:]) and all(v >= 0 for v in deltas.values())
-    finally:
-        if decode is not None:
-            decode.close()
-        server.stop()
-        prefill.close()
-        tp.close()
-        td.close()
 
 
 def test_handoff_figures_per_prompt_length():
@@ -134,55 +170,14 @@ def test_one_sided_pull_reads_exactly_the_kept_blocks_and_sends_nothing(caplog):
     """Pools the transports can map: decode reads the kept blocks itself (the prefill side
     sends no message), the bytes equal the source's, the bytes read are exactly the
     blocks' (the minimum), the release frees once; a read of a lease that ended is void."""
-    layout = KVLayout.of(plan_groups(model(), block_size=4), "m")
-    page = layout.page_size_bytes
-    g = torch.Generator().manual_seed(5)
-    src = torch.randint(0, 256, (24, page), dtype=torch.uint8, generator=g)
-    dst = torch.zeros_like(src)
-    freed: list[str] = []
-    tp, td = start_transport("127.0.0.1"), start_transport("127.0.0.1")
-    server, address = open_server("127.0.0.1", 0, SECRET)
-    prefill = PrefillConnector(
-        engine_id="p",
-        layout=layout,
-        control_address=address,
-        free_blocks=freed.append,
-        region=PoolRegions(lambda: src),
-        transport=tp,
-        secret=SECRET,
-        one_sided=True,  # opt-in (HYBRID_PD_UCX_ONESIDED=1 in a worker)
-    )
-    decode = None
-    try:
-        add_kv_control(server, "p", layout, tp, prefill)
-        server.start()
-        decode = DecodeConnector(
-            engine_id="d",
-            layout=layout,
-            transport=td,
-            region=PoolRegions(lambda: dst),
-            secret=SECRET,
-            peers=(address,),
-            one_sided=True,
-        )
-        decode.dial(address)
-        n_groups = len(layout.groups)
-        kept = tuple([1 + 3 * i, 2 + 3 * i] for i in range(n_groups))
-        _, raw = prefill.request_finished_all_groups(_Req("r", [1] * 8, [7]), kept)
-        params = KVTransferParams.from_dict(raw)
-        dst_ids = tuple([12 + 3 * i, 13 + 3 * i] for i in range(n_groups))
-        caplog.set_level(logging.DEBUG, logger=timeline.__name__)
-        stats = decode.pull(params, dst_ids)
-        for s_ids, d_ids in zip(kept, dst_ids, strict=True):
-            for s, d in zip(s_ids, d_ids, strict=True):
-                assert torch.equal(dst[d], src[s])
-        minimum = 2 * n_groups * page
+    with _handoff(5, one_sided=True) as h:
+        prefill, tp, td = h.prefill, h.tp, h.td
+        stats, stamps = h.pull_r(caplog)
+        minimum = 2 * h.n_groups * h.layout.page_size_bytes
         assert stats.bytes == minimum and td.stats()["bytes_read"] == minimum
         assert tp.stats()["messages_sent"] == 0 and td.stats()["messages_received"] == 0
         assert prefill.stats_snapshot()["read_pulls"] == 1
         assert prefill.stats_snapshot()["bytes_sent"] == minimum
-        assert freed == ["r"] and prefill.num_leases == 0  # released once, after the pull
-        stamps = timeline.parse(r.getMessage() for r in caplog.records)["r"]
         seen = [s for s in STAGES if s in stamps]
         assert seen == [
             "peer_ready",
@@ -193,16 +188,11 @@ def test_one_sided_pull_reads_exactly_the_kept_blocks_and_sends_nothing(caplog):
             "bytes_arrived",
         ]
         # a lease that ended before the confirmation: the read is void, the pull fails
+        kept = tuple([1 + 3 * i, 2 + 3 * i] for i in range(h.n_groups))
+        dst_ids = tuple([12 + 3 * i, 13 + 3 * i] for i in range(h.n_groups))
         _, raw = prefill.request_finished_all_groups(_Req("q", [1] * 8, [7]), kept)
         late = KVTransferParams.from_dict(raw)
         prefill.release(late.request_id, late.transfer_token)
         with pytest.raises(TransferFailed, match="no KV kept"):
-            decode.pull(late, dst_ids)
+            h.decode.pull(late, dst_ids)
         assert prefill.stats_snapshot()["read_pulls"] == 1
-    finally:
-        if decode is not None:
-            decode.close()
-        server.stop()
-        prefill.close()
-        tp.close()
-        td.close()
