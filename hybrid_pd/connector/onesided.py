@@ -64,7 +64,7 @@ class Exposure:
         regions: Callable[[], list[tuple[int, int]] | None],
         on: bool | None = None,
     ) -> None:
-        """`on`: offer the memory (default: unless HYBRID_PD_UCX_ONESIDED=0)."""
+        """`on`: offer the memory (default: with HYBRID_PD_UCX_ONESIDED=1 only)."""
         self._on = enabled() if on is None else on
         self._transport = transport
         self._regions = regions
