@@ -258,6 +258,7 @@ def bench_transfer(
             )
         parent.send(("leaks",))
         prefill_leaks = _recv(parent, proc)
+        pull_kind = decode.pull_kind(params.control_address)
         decode.close()
         return {
             "model": model,
@@ -269,6 +270,8 @@ def bench_transfer(
             "scatter_gather": scatter_gather,
             # whether the pulls were read one-sided (the transport's counters say)
             "one_sided": transport.stats()["messages_read"] > 0,
+            # how: "read" (process_vm_readv, same host), "ucx-read", "sent" (two-sided)
+            "pull_kind": pull_kind,
             "prefix_caching": churn > 0,
             "hma_off_error": None if off else "state layers: the model cannot run with HMA off",
             "runs": rows[1:],

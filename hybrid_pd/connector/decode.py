@@ -82,8 +82,8 @@ class DecodeConnector(TwoSidedPulls):
         ranks' pools, rank order (a tensor-parallel worker, or any worker pulling from
         one: `connector.tp_plan`). `max_staged_loads`: staged loads followed at once (more
         wait their turn; none holds a thread while its prefill runs). `one_sided`: read
-        from peers that offer their memory (`connector.onesided`; default: with
-        HYBRID_PD_UCX_ONESIDED=1 only)."""
+        from peers that offer their memory (`connector.onesided`; default: unless
+        HYBRID_PD_UCX_ONESIDED=0)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
@@ -232,6 +232,18 @@ class DecodeConnector(TwoSidedPulls):
     @property
     def known_peers(self) -> list[str]:
         return self.admission.known
+
+    def pull_kind(self, address: str) -> str | None:
+        """How pulls from the prefill worker at `address` move bytes: "sent" (two-sided),
+        "read" (one-sided, this process copies: same host), "ucx-read" (one-sided through
+        UCX); None before its handshake."""
+        with self._lock:
+            peer = self._peers.get(address)
+        if peer is None:
+            return None
+        if peer.remote is None:
+            return "sent"
+        return "read" if peer.remote.pid else "ucx-read"
 
     def _peer(self, address: str) -> Peer:
         with self._lock:

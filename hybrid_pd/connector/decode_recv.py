@@ -1,6 +1,6 @@
 """Decode side, two-sided pulls: post receives into the destination runs, ask the prefill
 worker to send them (PullKV), wait for the bytes (the path when the peer offers no memory to
-read one-sided; the default, one-sided reads being opt-in: HYBRID_PD_UCX_ONESIDED=1)."""
+read one-sided, or with HYBRID_PD_UCX_ONESIDED=0)."""
 
 from __future__ import annotations
 

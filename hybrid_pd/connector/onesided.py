@@ -15,11 +15,16 @@ for the whole read (a lease never comes back), and a kept block is never written
 bytes read are the kept KV. A refusal voids them (the decode side recomputes, or pulls a
 staged block again).
 
-It is opt-in: `HYBRID_PD_UCX_ONESIDED=1` in both processes (a prefill worker without it
-offers no memory, a decode worker without it uses none). Otherwise pulls are two-sided, as
-they are with a peer whose pools cannot be mapped (GPU pools for now) or whose plan has no
-`read_pieces`. It stays off by default until a prefill that dies mid-read no longer takes
-the reading process with it (see `enabled`).
+On one host (the owner's boot id is ours and its process is visible) decode reads with
+`process_vm_readv` itself (`ucx.cma`): a prefill worker that dies mid-read fails that pull
+only. UCX's own CMA read would abort the reading process instead. Elsewhere it reads with
+UCX (`ucp_get_nbx`, over TCP or RDMA).
+
+It is the default; HYBRID_PD_UCX_ONESIDED=0 in either process turns it off (a prefill
+worker without it offers no memory, a decode worker without it uses none), and
+HYBRID_PD_UCX_ONESIDED=ucx reads with UCX on one host too (what a second host gets).
+Pulls are two-sided with a peer whose pools cannot be mapped (GPU pools for now), whose
+plan has no `read_pieces`, or whose memory this process may not read.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import numpy as np
 from hybrid_pd.connector import faults, liveness, timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.decode_peer import rpc_error
-from hybrid_pd.connector.ucx import TransferError
+from hybrid_pd.connector.ucx import TransferError, cma
 from hybrid_pd.connector.ucx.rma import KEY, LOCAL, NBYTES, REMOTE
 from hybrid_pd.proto import kv_control_pb2 as pb
 
@@ -46,12 +51,19 @@ logger = logging.getLogger(__name__)
 ENV = "HYBRID_PD_UCX_ONESIDED"
 
 
+def mode() -> str:
+    """How this process pulls and offers its memory: "on" (the default: one-sided, read by
+    this process itself on one host), "ucx" (one-sided, always through UCX), or "off"
+    (two-sided), from HYBRID_PD_UCX_ONESIDED."""
+    value = os.environ.get(ENV, "1").strip().lower()
+    if value == "ucx":
+        return "ucx"
+    return "off" if value in ("0", "false", "no", "off") else "on"
+
+
 def enabled() -> bool:
-    """Whether this process pulls (and offers its memory) one-sided: only with
-    HYBRID_PD_UCX_ONESIDED=1, in both processes. Off by default: a CMA read from a prefill
-    process that dies during the read makes UCX abort the reading (decode) process, taking
-    its other requests' streams down with it (they migrate, but the worker restarts)."""
-    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    """Whether this process pulls (and offers its memory) one-sided (`mode`)."""
+    return mode() != "off"
 
 
 class Exposure:
@@ -64,7 +76,7 @@ class Exposure:
         regions: Callable[[], list[tuple[int, int]] | None],
         on: bool | None = None,
     ) -> None:
-        """`on`: offer the memory (default: with HYBRID_PD_UCX_ONESIDED=1 only)."""
+        """`on`: offer the memory (default: unless HYBRID_PD_UCX_ONESIDED=0)."""
         self._on = enabled() if on is None else on
         self._transport = transport
         self._regions = regions
@@ -118,8 +130,10 @@ class RemoteMemory:
     nbytes: np.ndarray  # int64, per region
     key: np.ndarray  # int64, per region: index into rkeys
     rkeys: tuple[bytes, ...]
-    #: The owner, where it runs on this host (UCX then reads with CMA); None: elsewhere.
+    #: The owner, where it runs on this host; None: elsewhere.
     owner: liveness.ProcessWatch | None = None
+    #: The owner's pid when this process reads it itself (`ucx.cma`); 0: UCX reads.
+    pid: int = 0
 
     @classmethod
     def from_pb(cls, reply: pb.HandshakeReply) -> RemoteMemory | None:
@@ -130,18 +144,27 @@ class RemoteMemory:
         m = reply.remote_memory
         if not m.regions or any(r.key >= len(m.rkeys) for r in m.regions):
             return None
-        owner = None
+        owner, pid = None, 0
         if m.boot_id and m.boot_id == liveness.boot_id():
             owner = liveness.watch(m.pid, m.start_ticks)
             if owner is None:
                 logger.warning("one-sided reads off for a peer whose process is not visible")
                 return None
+            if mode() != "ucx":
+                if not cma.can_read(m.pid, m.regions[0].address):
+                    logger.warning(
+                        "one-sided reads off for a peer whose memory this process may not "
+                        "read (process_vm_readv refused)"
+                    )
+                    return None
+                pid = m.pid
         return cls(
             np.array([r.address for r in m.regions], dtype=np.uint64),
             np.array([r.bytes for r in m.regions], dtype=np.int64),
             np.array([r.key for r in m.regions], dtype=np.int64),
             tuple(m.rkeys),
             owner,
+            pid,
         )
 
     def alive(self) -> bool:
@@ -193,8 +216,13 @@ def read_pull(
     timeline.stamp(rid, "reads_posted", reads=len(rows))
     if len(rows):
         try:
-            rkeys = list(peer.remote.rkeys)
-            conn.transport.read(peer.ucx_address, rkeys, rows, keep, conn.timeout_s)
+            if peer.remote.pid:
+                conn.transport.read_local(peer.remote.pid, rows)
+                if not peer.remote.alive():  # its pid may have named another process
+                    raise TransferError("the prefill process exited during the read")
+            else:
+                rkeys = list(peer.remote.rkeys)
+                conn.transport.read(peer.ucx_address, rkeys, rows, keep, conn.timeout_s)
         except TransferError as e:
             conn.forget_peer(params.control_address)
             raise TransferFailed(

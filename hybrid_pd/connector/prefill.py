@@ -143,7 +143,7 @@ class PrefillConnector(Staging, ReadConfirms):
         `secret`: the control plane's shared secret; the params handed out are then signed
         with it (valid for the lease), so decode servers that were never told of this one
         may pull from it (`api.signing`). `one_sided`: offer decode workers this worker's
-        memory to read (`connector.onesided`; default: with HYBRID_PD_UCX_ONESIDED=1 only)."""
+        memory to read (`connector.onesided`; default: unless HYBRID_PD_UCX_ONESIDED=0)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id

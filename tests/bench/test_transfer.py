@@ -30,6 +30,8 @@ def test_churned_pool_moves_in_one_message_per_request_and_intact():
             one_sided=one_sided,
         )
         assert r["scatter_gather"] is sg and r["one_sided"] is one_sided and r["intact"]
+        # one host: a one-sided pull is this process's own process_vm_readv
+        assert r["pull_kind"] == ("read" if one_sided else "sent")
         assert r["leaked_blocks"] == {"prefill": 0, "decode": 0}
         assert all(row["bytes"] == row["bytes_min"] for row in r["runs"])
         runs[one_sided, sg] = r["runs"]

@@ -24,12 +24,13 @@ class Pair:
     start side by side: the prefill worker gets its port up front, decode its address."""
 
     def __init__(
-        self, path: Path, *, prefill_args=(), decode_args=(), env=None, log=None, one_sided=False
+        self, path: Path, *, prefill_args=(), decode_args=(), env=None, log=None, one_sided=None
     ):
-        """`env`: the prefill worker's extra environment; `one_sided`: both workers pull
-        one-sided (HYBRID_PD_UCX_ONESIDED=1, off by default)."""
+        """`env`: the prefill worker's extra environment; `one_sided`: True / False: both
+        workers pull one-sided / two-sided (HYBRID_PD_UCX_ONESIDED=1 / 0); None: the
+        default (one-sided)."""
         common = ["--model", str(path), "--kv-memory", KV_MEMORY, "--threads", "1"]
-        both = {ONESIDED_ENV: "1" if one_sided else "0"}
+        both = {} if one_sided is None else {ONESIDED_ENV: "1" if one_sided else "0"}
         env = {**both, **(env or {})}
         port = free_port()
         with ThreadPoolExecutor(2) as ex:  # leaving the block waits for both starts

@@ -9,6 +9,7 @@ order, under the prefill's request id."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -23,6 +24,7 @@ from hybrid_pd.connector import timeline
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.decode import DecodeConnector
 from hybrid_pd.connector.layout import KVLayout
+from hybrid_pd.connector.onesided import ENV as ONESIDED_ENV
 from hybrid_pd.connector.prefill import PrefillConnector
 from hybrid_pd.connector.segments import PoolRegions
 from hybrid_pd.connector.setup import add_kv_control, open_server, start_transport
@@ -166,12 +168,20 @@ def test_handoff_figures_per_prompt_length():
     assert percentile([3, 1, 2], 50) == 2 and percentile([1, 2, 3, 4], 99) == 4
 
 
-def test_one_sided_pull_reads_exactly_the_kept_blocks_and_sends_nothing(caplog):
+@pytest.mark.parametrize("reader", ["on", "ucx"])
+def test_one_sided_pull_reads_exactly_the_kept_blocks_and_sends_nothing(
+    caplog, monkeypatch, reader
+):
     """Pools the transports can map: decode reads the kept blocks itself (the prefill side
     sends no message), the bytes equal the source's, the bytes read are exactly the
-    blocks' (the minimum), the release frees once; a read of a lease that ended is void."""
+    blocks' (the minimum), the release frees once; a read of a lease that ended is void.
+    On one host the reader copies with process_vm_readv ("on", the default) or through
+    UCX's get ("ucx", what a reader on another host uses)."""
+    monkeypatch.setenv(ONESIDED_ENV, reader)
     with _handoff(5, one_sided=True) as h:
         prefill, tp, td = h.prefill, h.tp, h.td
+        (peer,) = h.decode._peers.values()
+        assert peer.remote.pid == (os.getpid() if reader == "on" else 0)
         stats, stamps = h.pull_r(caplog)
         minimum = 2 * h.n_groups * h.layout.page_size_bytes
         assert stats.bytes == minimum and td.stats()["bytes_read"] == minimum

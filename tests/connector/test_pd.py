@@ -76,13 +76,14 @@ def test_pd_output_equals_single_engine(arch):
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_two_sided_pulls_and_the_scatter_gather_flag(checkpoint, packed):
-    """A pair with one-sided reads off (the default) pulls two-sided, prefill sends: however
+    """A pair with one-sided reads off (HYBRID_PD_UCX_ONESIDED=0) pulls two-sided, prefill
+    sends: however
     the blocks lie in the two pools, one scatter-gather message carries them; with
     `--no-kv-scatter-gather` one UCX message per run of blocks. The output is the same."""
     path = checkpoint("gemma3")
     ref = reference_engine(path)
     decode_args = [] if packed else ["--no-kv-scatter-gather"]
-    pair = Pair(path, decode_args=decode_args)
+    pair = Pair(path, decode_args=decode_args, one_sided=False)
     try:
         sampling = sampling_to_pb(SamplingParams(max_tokens=N_NEW, ignore_eos=True))
         messages = []

@@ -14,6 +14,7 @@ import pytest
 
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.launcher.local import start_worker
+from hybrid_pd.proxy.worker_client import WorkerClient
 from tests.proxy.conftest import KV_MEMORY, assert_no_leaks, make_proxy
 from tests.proxy.test_failures import metric
 
@@ -221,6 +222,10 @@ def test_prefill_worker_killed_under_load(fleet, tiny_path, reference):
         assert time.monotonic() - start_t < 120
         text = httpx.get(proxy.url + "/metrics").text
         assert metric(text, 'hybrid_pd_proxy_routes_total{route="fallback"}') >= 1
+        # the hand-offs were read one-sided (the default), and the decode worker that was
+        # reading when its source died lived on (the same process answered everything)
+        assert WorkerClient(dec.address, timeout_s=5).stats()["transport"]["messages_read"] > 0
+        assert dec.proc.poll() is None
     finally:
         proxy.stop()
     assert_no_leaks([dec])

@@ -6,6 +6,7 @@
     ops.py        a batch of UCP requests, and the receiver's handle on one
     poller.py     the loop thread's work: post, poll, settle after failure, drain
     rma.py        one-sided reads: memory mapped once, remote keys, ucp_get_nbx
+    cma.py        same-host one-sided reads by the reader itself (process_vm_readv)
     transport.py  `UcxTransport`: threads, lifecycle, the blocking public API
 
 One `UcxTransport` per worker process. The control plane (gRPC) ships `address` (the UCX
@@ -20,6 +21,7 @@ or, one-sided (`rma.py`):
 
     owner:     mapped = transport.map_memory(address, nbytes)   # once; ship mapped.rkey
     reader:    transport.read(owner_address, [rkey, ...], rows, keep, timeout)
+               or, the owner on this host: transport.read_local(owner_pid, rows)
 
 where row i of `rows` reads NBYTES bytes at the owner's address REMOTE (inside the mapping
 of key KEY) into this process's address LOCAL; the owner's threads take no part.

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hybrid_pd.connector.ucx import cma
 from hybrid_pd.connector.ucx.errors import TransferError, Unsettled
 from hybrid_pd.connector.ucx.ffi import Ucx, get_ucx
 from hybrid_pd.connector.ucx.iov import pack_messages
@@ -320,6 +321,21 @@ class UcxTransport(RemoteReads, RequestPoller):
         if threading.current_thread() is self._thread:
             raise RuntimeError("blocking UcxTransport call from its own loop thread")
         self._result(self.read_future(peer, rkeys, rows, keep, timeout), timeout)
+
+    def read_local(self, pid: int, rows) -> None:
+        """Read `rows` (as for `read`; the KEY column unused) from process `pid` of this
+        host, in the calling thread, with `process_vm_readv` rather than UCX (`cma`): a
+        failure is a TransferError, where UCX's CMA read would abort this process."""
+        self._check_open()
+        try:
+            nbytes = cma.read_process(pid, rows)
+        except TransferError:
+            with self._stats_lock:
+                self._stats["get_failures"] += 1
+            raise
+        with self._stats_lock:
+            self._stats["messages_read"] += len(rows)
+            self._stats["bytes_read"] += nbytes
 
     def post_recv(self, peer: bytes, tag: int, regions: list) -> RecvHandle:
         """Post receives of messages `tag + i` from `peer` straight into `regions[i]` (a
