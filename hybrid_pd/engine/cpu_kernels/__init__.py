@@ -63,6 +63,7 @@ from hybrid_pd.engine.cpu_kernels.linears import gemv, pack_panels, panel_linear
 from hybrid_pd.engine.cpu_kernels.loader import (
     FLAGS,
     ISA_FLAGS,
+    build_ahead,
     enabled_by_env,
     isa,
     kernel_threads,
@@ -89,6 +90,7 @@ __all__ = [
     "FLAGS",
     "ISA_FLAGS",
     "act_mul",
+    "build_ahead",
     "conv_silu",
     "conv_step_silu",
     "decode_attention",
