@@ -6,7 +6,9 @@ sources, kept in `$HYBRID_PD_KERNEL_CACHE` (default `~/.cache/hybrid-pd/kernels`
 name that carries a digest of the sources' text, the flags, the compiler's version and
 whatever else the caller says the build depends on. Processes that start together (a
 worker's ranks, a host's workers) take a file lock, so one of them compiles and the others
-load its result; a library appears whole (built aside, then renamed) or not at all.
+load its result; a library appears whole (built aside, then renamed) or not at all. The
+sources compile side by side, one compiler call per file, as many at once as the process
+may use CPUs, in the order the caller gives (slowest first), then one link.
 """
 
 from __future__ import annotations

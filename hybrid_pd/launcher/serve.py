@@ -1,5 +1,7 @@
 """`hybrid-pd serve`: prefill and decode pools as Ray actors, and the proxy in front.
 
+the CPU kernels' build, begun in a thread (embedded Ray, our engine on the CPU): it runs
+  while Ray starts and the workers load; they find it built, or wait for it
 ray.init (embedded local instance, or --address of a cluster)
 N prefill actors (resource "prefill"), M decode actors (resource "decode")
 proxy on host:port routing through their gRPC addresses
