@@ -118,12 +118,13 @@ def _one_start(model: str, timeout_s: float) -> dict[str, Any]:
     """Inside the namespace: one start of `serve` with empty caches, timed."""
     import httpx
 
-    tmp = tempfile.mkdtemp(prefix="hybrid-pd-startup-")
+    tmp = tempfile.mkdtemp(prefix="hpd-startup-")  # short: Ray's socket paths live under it
     env = {
         **os.environ,
         "HYBRID_PD_KERNEL_CACHE": os.path.join(tmp, "kernels"),
         "HYBRID_PD_CACHE": os.path.join(tmp, "models"),
         "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_TMPDIR": tmp,  # Ray's session files (in tmp/ray) go with the rest
     }
     env.pop(OPTS_ENV, None)
     cmd = [sys.executable, "-m", "hybrid_pd.launcher.cli", "serve", "--model", model,

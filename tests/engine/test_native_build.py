@@ -85,3 +85,12 @@ def test_kernels_built_ahead_are_the_ones_an_engine_then_loads(tmp_path):
     assert "building the CPU kernels" not in second.stderr, second.stderr
     assert len(list(tmp_path.glob("cpu_kernels-*.so"))) == 1
     assert not list(tmp_path.glob(".build-*"))
+
+
+def test_no_build_ahead_where_the_kernels_are_off(monkeypatch, tmp_path):
+    from hybrid_pd.engine import cpu_kernels
+
+    monkeypatch.setenv("HYBRID_PD_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("HYBRID_PD_CPU_KERNELS", "0")
+    assert cpu_kernels.build_ahead() is None
+    assert not list(tmp_path.iterdir())
