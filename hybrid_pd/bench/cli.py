@@ -24,6 +24,7 @@ def add_bench_commands(p: argparse.ArgumentParser) -> None:
     from hybrid_pd.bench.overlap import add_overlap_parser
     from hybrid_pd.bench.proxy import add_proxy_parser
     from hybrid_pd.bench.serve import add_serve_parser
+    from hybrid_pd.bench.startup import add_startup_parser
     from hybrid_pd.bench.tp import add_tp_parser
     from hybrid_pd.bench.vllm_pd import add_bench_vllm
 
@@ -38,6 +39,7 @@ def add_bench_commands(p: argparse.ArgumentParser) -> None:
     add_multiturn_parser(bsub)
     add_overlap_parser(bsub)
     add_tp_parser(bsub)
+    add_startup_parser(bsub)
 
 
 def _add_transfer_parser(bsub: argparse._SubParsersAction) -> None:

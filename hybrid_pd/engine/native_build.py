@@ -6,7 +6,9 @@ sources, kept in `$HYBRID_PD_KERNEL_CACHE` (default `~/.cache/hybrid-pd/kernels`
 name that carries a digest of the sources' text, the flags, the compiler's version and
 whatever else the caller says the build depends on. Processes that start together (a
 worker's ranks, a host's workers) take a file lock, so one of them compiles and the others
-load its result; a library appears whole (built aside, then renamed) or not at all.
+load its result; a library appears whole (built aside, then renamed) or not at all. The
+sources compile side by side, one compiler call per file, as many at once as the process
+may use CPUs, in the order the caller gives (slowest first), then one link.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -85,29 +88,34 @@ def _compile(
     folder: Path,
     target: Path,
 ) -> None:
-    """Each source to an object, side by side (as many at once as this process may use
-    CPUs), then one link into `target`."""
+    """Each source to an object, then one link into `target`. The objects are compiled by a
+    pool of as many compiler calls at once as this process may use CPUs, in the order of
+    `sources` (the callers put the slowest first): a free slot takes the next source at
+    once, so the build takes about the longest file or the total over the CPUs, whichever
+    is more, not the sum of each round's slowest."""
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
     try:
         objects = [work / f"{src.stem}.o" for src in sources]
         compile_flags = [f for f in flags if f != "-shared"]
         jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        pending = list(zip(sources, objects, strict=True))
-        while pending:
-            batch, pending = pending[: max(1, jobs)], pending[max(1, jobs) :]
-            procs = [
-                subprocess.Popen(
-                    [cc, *compile_flags, "-c", "-o", str(obj), str(src)],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-                for src, obj in batch
-            ]
-            errors = [p.communicate(timeout=COMPILE_TIMEOUT_S)[1] for p in procs]
-            failed = [e for p, e in zip(procs, errors, strict=True) if p.returncode != 0]
-            if failed:
-                raise OSError(f"{cc} failed: {failed[0].strip()[-2000:]}")
+
+        def one(src: Path, obj: Path) -> str | None:
+            """The compiler's error output where it failed, else None."""
+            done = subprocess.run(
+                [cc, *compile_flags, "-c", "-o", str(obj), str(src)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                check=False,
+                timeout=COMPILE_TIMEOUT_S,
+            )
+            return done.stderr if done.returncode != 0 else None
+
+        with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(sources)))) as pool:
+            errors = list(pool.map(one, sources, objects))
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise OSError(f"{cc} failed: {failed[0].strip()[-2000:]}")
         tmp = work / "lib.so"
         done = subprocess.run(
             [cc, *flags, "-o", str(tmp), *map(str, objects), *link],

@@ -1,5 +1,7 @@
 """`hybrid-pd serve`: prefill and decode pools as Ray actors, and the proxy in front.
 
+the CPU kernels' build, begun in a thread (embedded Ray, our engine on the CPU): it runs
+  while Ray starts and the workers load; they find it built, or wait for it
 ray.init (embedded local instance, or --address of a cluster)
 N prefill actors (resource "prefill"), M decode actors (resource "decode")
 proxy on host:port routing through their gRPC addresses
@@ -63,6 +65,7 @@ class Deployment:
 
         config = config.resolved()  # the secret: given, generated (embedded) or refused
         self.config = config
+        self._kernels_build = _build_kernels_ahead(config)
         self.failed = threading.Event()
         self.failure: str | None = None
         self._on_failure = on_failure
@@ -103,6 +106,8 @@ class Deployment:
         except BaseException:
             self._kill_actors()
             ray.shutdown()
+            if self._kernels_build is not None:  # its compilers end within seconds
+                self._kernels_build.join(timeout=_KERNELS_JOIN_S)
             raise
         logger.info("proxy: listening on %s (OpenAI API under /v1, metrics at /metrics)", self.url)
         self._supervisor = threading.Thread(target=self._supervise, daemon=True)
@@ -432,6 +437,26 @@ class Deployment:
         self._kill_actors()
         ray.shutdown()  # stops the embedded instance; only disconnects from a cluster
         logger.info("stopped")
+
+
+#: Seconds a failed start waits for the kernel build it began (`_build_kernels_ahead`), so that
+#: its compilers and their scratch folder do not outlive `serve`.
+_KERNELS_JOIN_S = 30.0
+
+
+def _build_kernels_ahead(config: ServeConfig) -> threading.Thread | None:
+    """Begin building the CPU kernels in a thread of this process, where the workers will
+    run them on this machine (embedded Ray, our engine, on the CPU): the build then runs
+    while Ray starts and the workers load their models, and the first worker to need it
+    waits for it under the build's file lock rather than starting it then. None elsewhere
+    (a cluster's workers build on their own nodes)."""
+    if config.address is not None or config.engine != "hybrid-pd":
+        return None
+    if config.device and not config.device.startswith("cpu"):
+        return None
+    from hybrid_pd.engine import cpu_kernels
+
+    return cpu_kernels.build_ahead()
 
 
 class Interrupted(Exception):

@@ -23,15 +23,18 @@ wrapper module for it:
     prompt_attention.c
     common.h, panel_tile.h        shared helpers (thread split, bfloat16, exp, the panel tile)
 
-An engine on the CPU compiles them when it starts (`loader.py`: every `.c` in one `$CC` or
-`cc` call, `-O3` and the flags of the instruction set level the CPU runs, `isa()`: avx512
-(`-march=x86-64-v4`), avx2 (`-march=x86-64-v3`), generic, or native off x86;
-`HYBRID_PD_CPU_ISA` overrides) into one shared library in a cache folder
-(`HYBRID_PD_KERNEL_CACHE`, default `~/.cache/hybrid-pd/kernels`), named by the level and a
-digest of the sources and headers, the flags and the compiler, so a changed file or another
-level builds its own, and machines of one level share one. The first process builds under a
-file lock while the others wait. The sources choose their vector paths and register tiles
-by the level's macros (`__AVX512F__`, `__AVX2__`); `panel_width()` says what the panels are.
+An engine on the CPU compiles them when it starts (`loader.py`: every `.c` to an object by
+`$CC` or `cc` calls side by side, slowest first, then one link; `-O3` and the flags of the
+instruction set level the CPU runs, `isa()`: avx512 (`-march=x86-64-v4`), avx2
+(`-march=x86-64-v3`), generic, or native off x86; `HYBRID_PD_CPU_ISA` overrides) into one
+shared library in a cache folder (`HYBRID_PD_KERNEL_CACHE`, default
+`~/.cache/hybrid-pd/kernels`), named by the level and a digest of the sources and headers,
+the flags and the compiler, so a changed file or another level builds its own, and machines
+of one level share one. The first process builds under a file lock while the others wait;
+`build_ahead` starts that build in a thread of a process that will not run the kernels
+itself (`serve`, before its workers exist). The sources choose their vector paths and
+register tiles by the level's macros (`__AVX512F__`, `__AVX2__`); `panel_width()` says what
+the panels are.
 `signatures.py` declares the C functions to ctypes.
 
 Every kernel has a pure-PyTorch counterpart, which stays the reference (the tests compare
@@ -63,6 +66,7 @@ from hybrid_pd.engine.cpu_kernels.linears import gemv, pack_panels, panel_linear
 from hybrid_pd.engine.cpu_kernels.loader import (
     FLAGS,
     ISA_FLAGS,
+    build_ahead,
     enabled_by_env,
     isa,
     kernel_threads,
@@ -89,6 +93,7 @@ __all__ = [
     "FLAGS",
     "ISA_FLAGS",
     "act_mul",
+    "build_ahead",
     "conv_silu",
     "conv_step_silu",
     "decode_attention",
