@@ -48,7 +48,7 @@ _ROWS_AS_IS = ("offset", "row_bytes")
 def layout_to_pb(layout: KVLayout) -> pb.Layout:
     def rows(r: SlotRows) -> pb.SlotRows:
         segments = [pb.RowSegment(units=u, width=w, replicate=rep) for u, w, rep in r.segments]
-        return pb.SlotRows(**same_named(r, _ROWS_AS_IS), segments=segments)
+        return pb.SlotRows(**same_named(r, _ROWS_AS_IS), segments=segments, lines=r.lines)
 
     return pb.Layout(
         fingerprint=layout.fingerprint,
@@ -66,7 +66,7 @@ def layout_to_pb(layout: KVLayout) -> pb.Layout:
 def layout_from_pb(msg: pb.Layout) -> KVLayout:
     def rows(r: pb.SlotRows) -> SlotRows:
         segments = tuple((s.units, s.width, s.replicate) for s in r.segments)
-        return SlotRows(**same_named(r, _ROWS_AS_IS), segments=segments)
+        return SlotRows(**same_named(r, _ROWS_AS_IS), segments=segments, lines=r.lines or 1)
 
     groups = tuple(
         GroupGeometry(**same_named(g, _GROUP_AS_IS), rows=tuple(rows(r) for r in g.rows))

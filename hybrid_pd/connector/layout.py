@@ -124,9 +124,14 @@ class KVLayout:
                     f"KV layout mismatch ({pair}): group {i} spreads a state over "
                     f"{a.blocks_per_state} blocks, which moves only between equal TP sizes"
                 )
-            if not a.rows or [r.segments for r in a.rows] != [r.segments for r in b.rows]:
+            if not a.rows or _shapes(a.rows) != _shapes(b.rows):
                 return (
                     f"KV layout mismatch ({pair}): group {i} ({a.kind}) does not describe "
                     "its slot rows the same way on both sides"
                 )
         return None
+
+
+def _shapes(rows) -> list[tuple]:
+    """What must agree between two TP sizes' descriptions of a slot's tensors."""
+    return [(r.segments, r.row_bytes, r.lines) for r in rows]
