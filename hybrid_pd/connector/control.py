@@ -218,6 +218,10 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         rid = RequestId(request.request_id)
         if request.read_done:
             return await self._confirm_read(request, rid, dst, dst_layout, timeout)
+        if request.per_rank:
+            return pb.PullReply(
+                ok=False, error="a decode rank's own pieces are read one-sided, never sent"
+            )
         if request.stage_epoch:
             send = partial(
                 self.prefill.pull_stage,
@@ -286,7 +290,12 @@ class KVControlServicer(pb_grpc.KVControlServicer):
                     settled = partial(self.prefill.settled, rid)
                     await until(self.prefill.watchers, rid, lambda: (settled(), None), wait)
                 res = self.prefill.confirm_read(
-                    rid, request.transfer_token, dst, list(request.skip_blocks), dst_layout
+                    rid,
+                    request.transfer_token,
+                    dst,
+                    list(request.skip_blocks),
+                    dst_layout,
+                    request.dst_rank if request.per_rank else None,
                 )
         except TransferFailed as e:
             logger.warning("one-sided pull of %s refused: %s", request.request_id, e)

@@ -71,6 +71,7 @@ class DecodeConnector(TwoSidedPulls):
         max_staged_loads: int = 64,
         shard_buffers: Callable[[], Sequence] | None = None,
         one_sided: bool | None = None,
+        rank_plans: Callable[[KVLayout, str], object] | None = None,
     ) -> None:
         """`peers`: control addresses of the prefill workers this worker may dial (more
         come through `add_peers`); kv_transfer_params naming any other address fail unless
@@ -83,7 +84,10 @@ class DecodeConnector(TwoSidedPulls):
         one: `connector.tp_plan`). `max_staged_loads`: staged loads followed at once (more
         wait their turn; none holds a thread while its prefill runs). `one_sided`: read
         from peers that offer their memory (`connector.onesided`; default: with
-        HYBRID_PD_UCX_ONESIDED=1 only)."""
+        HYBRID_PD_UCX_ONESIDED=1 only). `rank_plans(peer_layout, address)`: where this
+        worker is one rank that reads its own pieces (vLLM's ranks), the plan for a peer
+        rank of another TP size at `address` (read one-sided only; raises TransferFailed
+        when the pair cannot be mapped)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
@@ -92,6 +96,7 @@ class DecodeConnector(TwoSidedPulls):
         self.one_sided = onesided.enabled() if one_sided is None else one_sided
         self._plan = plan if plan is not None else PagedPlan(region, layout.page_size_bytes)
         self._shard_buffers = shard_buffers
+        self._rank_plans = rank_plans
         self._metadata = call_metadata(secret)
         self.timeout_s = timeout_s
         self._peers: dict[str, Peer] = {}
@@ -159,19 +164,28 @@ class DecodeConnector(TwoSidedPulls):
         params: KVTransferParams,
         block_ids: tuple[list[int], ...],
         held: Sequence[int] = (),
+        sources: Callable[[KVTransferParams], Sequence[KVTransferParams]] | None = None,
     ) -> None:
+        """`sources(params)`: where the KV lies in pieces at several prefill ranks (vLLM's
+        ranks across TP sizes), the params addressed to each, called on the pull thread (it
+        may handshake); the load pulls from each in turn and releases each."""
         if params.staged:
             self._staged.start(request_id, params, block_ids, tuple(held))
             return
-        self._pulls.submit(self._load, request_id, params, block_ids, tuple(held))
+        self._pulls.submit(self._load, request_id, params, block_ids, tuple(held), sources)
 
-    def _load(self, request_id: RequestId, params: KVTransferParams, block_ids, held) -> None:
+    def _load(self, request_id: RequestId, params, block_ids, held, sources=None) -> None:
         timeline.stamp(params.request_id, "pull_start")
-        release = None
+        release, todo = None, [params]
         try:
-            st = self.pull(params, block_ids, release=False, held=held)
-            release = params
-            res = LoadResult(request_id, None, st.bytes, st.messages, st.seconds)
+            t0, nbytes, messages = time.perf_counter(), 0, 0
+            todo = list(sources(params)) if sources is not None else todo
+            for p in todo:
+                st = self.pull(p, block_ids, release=False, held=held, spend=False)
+                nbytes, messages = nbytes + st.bytes, messages + st.messages
+            self.admission.spend(params)
+            release = todo
+            res = LoadResult(request_id, None, nbytes, messages, time.perf_counter() - t0)
         except TransferFailed as e:
             res = LoadResult(request_id, str(e))
         except Exception as e:  # never lose a load: the engine must hear that it ended
@@ -179,12 +193,13 @@ class DecodeConnector(TwoSidedPulls):
             res = LoadResult(request_id, f"{type(e).__name__}: {e}")
         if res.error is not None:
             logger.warning("KV pull for %s failed: %s", request_id, res.error)
-            if self.admission.may_dial(params.control_address):
-                self.abort_later(params)  # the prefill worker frees it now, not at expiry
+            for p in todo:
+                if self.admission.may_dial(p.control_address):
+                    self.abort_later(p)  # the prefill worker frees it now, not at expiry
         timeline.stamp(params.request_id, "finish_load")
         self.finish_load(res)
-        if release is not None:  # after the engine heard: not on the request's critical path
-            self.release_after(release)
+        for p in release or ():  # after the engine heard: not on the request's critical path
+            self.release_after(p)
 
     def finish_load(self, res: LoadResult) -> None:
         """A load ended: the engine hears it (`get_finished`) and is woken (`notify`)."""
@@ -260,12 +275,15 @@ class DecodeConnector(TwoSidedPulls):
             channel.close()
             raise TransferFailed(f"prefill worker {address} unreachable: {rpc_error(e)}") from e
         diff = self.layout.difference(layout_from_pb(reply.layout))  # said from our side
-        if diff or not reply.ok:
-            channel.close()
-            raise TransferFailed(
-                f"prefill worker {address} refused the handshake: {diff or reply.error}"
-            )
         peer_layout = layout_from_pb(reply.layout)
+        remote = onesided.RemoteMemory.from_pb(reply) if self.one_sided else None
+        try:
+            if diff or not reply.ok:
+                raise TransferFailed(diff or reply.error)
+            plan = self._plan_with(peer_layout, address, remote)
+        except TransferFailed as e:
+            channel.close()
+            raise TransferFailed(f"prefill worker {address} refused the handshake: {e}") from None
         peer = Peer(
             channel,
             stub,
@@ -273,14 +291,19 @@ class DecodeConnector(TwoSidedPulls):
             reply.engine_id,
             reply.scatter_gather,
             peer_layout,
-            self._plan_with(peer_layout),
-            onesided.RemoteMemory.from_pb(reply) if self.one_sided else None,
+            plan,
+            remote,
         )
         with self._lock:
             kept = self._peers.setdefault(address, peer)
         if kept is not peer:  # another thread dialed it meanwhile
             channel.close()
         return kept
+
+    def peer_layout(self, address: str) -> KVLayout:
+        """The layout of the prefill worker at `address` (handshaking once). Raises
+        TransferFailed as `dial`."""
+        return self._peer(address).layout
 
     def dial(self, address: str) -> None:
         """Handshake with a known prefill worker now, before any request needs it (the
@@ -289,11 +312,20 @@ class DecodeConnector(TwoSidedPulls):
         when the peer cannot be reached or its layout differs."""
         self._peer(address)
 
-    def _plan_with(self, peer_layout: KVLayout):
+    def _plan_with(self, peer_layout: KVLayout, address: str = "", remote=None):
         """Our plan for pulls from a peer of `peer_layout`: pages of one pool each side, or
-        pieces between tensor-parallel groups (`connector.tp_plan.ShardedPlan`)."""
+        pieces between tensor-parallel groups (`connector.tp_plan.ShardedPlan`), or this
+        rank's pieces at a peer rank of another size (`rank_plans`: read one-sided)."""
         if self.layout.tp_size == 1 and peer_layout.tp_size == 1:
             return self._plan
+        if self._rank_plans is not None and peer_layout.tp_size != self.layout.tp_size:
+            if remote is None:
+                raise TransferFailed(
+                    f"tensor-parallel size {peer_layout.tp_size} there and "
+                    f"{self.layout.tp_size} here: each rank reads its pieces one-sided, "
+                    f"which needs {onesided.ENV}=1 on both servers"
+                )
+            return self._rank_plans(peer_layout, address)
         if self._shard_buffers is None and peer_layout.tp_size == self.layout.tp_size:
             return self._plan  # rank paired with rank (vLLM's workers: each moves its own)
         if self._shard_buffers is None:
@@ -326,13 +358,15 @@ class DecodeConnector(TwoSidedPulls):
         release: bool = True,
         held: Sequence[int] = (),
         staged: int = 0,
+        spend: bool = True,
     ) -> TransferStats:
         """Fill `dst_block_ids` (this worker's blocks, per group, null blocks included) with
         the request's KV; then (`release`) release it on the prefill worker. `held[g]`:
         group g's first non-null blocks already hold their KV and are skipped (the prefill
         worker sends only the rest; `staged` of them were staged pulls, not this worker's
         prefix cache). Raises TransferFailed. The seconds reported run from the call to
-        the bytes' arrival."""
+        the bytes' arrival. `spend`: the params are spent here (else the caller spends
+        them once its other pulls of the same request succeeded)."""
         t0 = time.perf_counter()
         self.admission.admit(params)  # a known peer, or signed params; never a replay
         peer = self._peer(params.control_address)  # the handshake names a layout mismatch
@@ -360,7 +394,8 @@ class DecodeConnector(TwoSidedPulls):
             self._count(failed=1)
             raise
         stats = TransferStats(reply.bytes, reply.messages, time.perf_counter() - t0)
-        self.admission.spend(params)
+        if spend:
+            self.admission.spend(params)
         if release:
             self._release(peer, params)
         self._count(
@@ -391,6 +426,7 @@ class DecodeConnector(TwoSidedPulls):
                 ucx_address=self.transport.address,
                 dst_blocks=[pb.BlockIds(ids=g) for g in dst],
                 dst_layout=layout_to_pb(self.layout) if peer.plan is not self._plan else None,
+                **getattr(plan, "pull_fields", {}),
                 **fields,
                 **more,
             )

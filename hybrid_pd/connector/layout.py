@@ -92,7 +92,13 @@ class KVLayout:
         for name in ("model", "block_size", "page_size_bytes")[: 3 if same_tp else 2]:
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
-                return f"KV layout mismatch: {name} is {a!r} here but {b!r} on the peer"
+                hint = ""
+                if name == "block_size" and not same_tp and self.engine == "vLLM":
+                    hint = (
+                        " (vLLM sizes a hybrid model's blocks by its per-rank pages, which "
+                        "differ between TP sizes: give both servers the same --block-size)"
+                    )
+                return f"KV layout mismatch: {name} is {a!r} here but {b!r} on the peer{hint}"
         if len(self.groups) != len(other.groups):
             return (
                 f"KV layout mismatch: {len(self.groups)} KV cache groups here but "

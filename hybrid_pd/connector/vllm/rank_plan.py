@@ -89,6 +89,18 @@ class RankPlan:
         #: Per group, the number of its first view.
         self._first = list(itertools.accumulate(counts, initial=0))
 
+    @property
+    def pull_fields(self) -> dict:
+        """What a PullKV for these pieces says besides the blocks: whose pieces they are."""
+        return {"per_rank": True, "dst_rank": self.dst_rank}
+
+    @property
+    def readers(self) -> int:
+        """How many decode ranks read from this plan's prefill rank (its lease ends at
+        their last Release)."""
+        rows = [g.rows for g in self.src.groups]
+        return readers(rows, self.src.tp_size, self.dst.tp_size, self.src_rank)
+
     def runs(self, src_groups, dst_groups) -> np.ndarray:
         """The pieces of the blocks paired (from the end, as `VllmPlan.runs` pairs them:
         decode may hold a prefix) per group. Raises ValueError when decode wants more
