@@ -1,14 +1,16 @@
-"""The connector inside vLLM servers with tensor parallelism: a prefill and a decode
-server of two ranks each (vLLM's CPU build, gloo, one core per rank: the two servers
-share the machine's two cores), each rank moving its own shard with the other server's
-rank of the same number. Output equals one vLLM instance's, every rank's pull succeeds;
-servers of different TP sizes are refused by name (the request is recomputed, exactly).
+"""The connector inside vLLM servers with tensor parallelism (vLLM's CPU build, gloo, one
+core per rank: the two servers share the machine's two cores). Equal sizes: each rank
+moves its own shard with the other server's rank of the same number. Different sizes
+(prefill TP 1 -> decode TP 2, TP 2 -> TP 1): each decode rank reads its pieces one-sided
+from the prefill ranks holding them. Output equals one vLLM instance's, every pull
+succeeds, and none falls back to recomputing.
 """
 
 from __future__ import annotations
 
 import random
 import secrets
+import time
 
 import pytest
 
@@ -32,15 +34,19 @@ def _pd(root, prefill_tp: int, decode_tp: int):
     # two spinning servers on two cores are slow: leases long enough to outlast that
     common = {"secret_file": str(secret), "lease_s": 900.0}
     cpus = {1: "0", 2: "0|1"}
+    # vLLM sizes a hybrid model's blocks by its per-rank pages (64 tokens at TP 1 here, 32
+    # at TP 2): block ids must mean the same tokens on both servers. Different TP sizes
+    # move pieces one-sided only.
+    same = dict(extra_args=("--block-size", "64"), env={"HYBRID_PD_UCX_ONESIDED": "1"})
     prefill = Server(
         model, root / "prefill.log", dtype="float32", role="kv_producer",
         extra={**common, "control_port": control}, cpus=cpus[prefill_tp],
-        tensor_parallel_size=prefill_tp,
+        tensor_parallel_size=prefill_tp, **same,
     )  # fmt: skip
     decode = Server(
         model, root / "decode.log", dtype="float32", role="kv_consumer",
         extra={**common, "peers": [f"127.0.0.1:{control}"]}, cpus=cpus[decode_tp],
-        tensor_parallel_size=decode_tp,
+        tensor_parallel_size=decode_tp, **same,
     )  # fmt: skip
     return prefill, decode
 
@@ -62,8 +68,8 @@ def _run(prefill: Server, decode: Server, prompts) -> tuple[list, list]:
     return got, want
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (2, 1)])
-def test_tp_servers_hand_over_rank_to_rank(tmp_path, prefill_tp, decode_tp):
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (1, 2), (2, 1)])
+def test_tp_servers_hand_over(tmp_path, prefill_tp, decode_tp):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, checkpoints.VOCAB - 1) for _ in range(n)] for n in (5, 60)]
     prefill, decode = _pd(tmp_path, prefill_tp, decode_tp)
@@ -78,11 +84,16 @@ def test_tp_servers_hand_over_rank_to_rank(tmp_path, prefill_tp, decode_tp):
         failed = m.get("hybrid_pd_kv_pull_failures_total", 0) - before.get(
             "hybrid_pd_kv_pull_failures_total", 0
         )
-        if prefill_tp == decode_tp:  # every rank of decode pulled its shard, none failed
-            assert (pulls, failed) == (decode_tp * len(prompts), 0)
-        else:  # refused by name before any byte moved; the prompt was recomputed
-            assert pulls == 0 and failed == len(prompts)
-            assert "tensor-parallel size" in decode.log.read_text()
+        # equal sizes: each decode rank pulled from its prefill rank; TP 1 -> 2: each
+        # decode rank from rank 0; TP 2 -> 1: decode's rank from both prefill ranks
+        per_prompt = decode_tp if prefill_tp == decode_tp else 2
+        assert (pulls, failed) == (per_prompt * len(prompts), 0)
+        # every piece read one-sided and confirmed (prefill's stats come with its steps)
+        read = lambda: prefill.metrics().get("hybrid_pd_kv_read_pulls_total", 0)  # noqa: E731
+        deadline = time.monotonic() + 60
+        while read() < per_prompt * len(prompts) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert read() == per_prompt * len(prompts)
     finally:
         for server in (prefill, decode):
             server.stop()

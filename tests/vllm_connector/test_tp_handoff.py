@@ -76,7 +76,7 @@ class _Ranks:
         self.prefill, self.decode, self.caches, self.freed = [], [], [], []
         common = dict(secret=secret, cpus=None, engine_id="e")
         for p in range(p_size):
-            caches, cfg, layout = rank_caches(KINDS, self.fulls, p_size, p)
+            caches, cfg, layout, _ = rank_caches(KINDS, self.fulls, p_size, p)
             opts = ConnectorOptions(control_port=base).for_rank(p)
             w = WorkerHalf(
                 layout=layout, options=opts, is_producer=True, is_consumer=False,
@@ -85,7 +85,7 @@ class _Ranks:
             self.prefill.append(w)
         d_fulls = [[k.full() for _ in range(LAYERS)] for k in self.d_kinds]
         for d in range(d_size):
-            caches, cfg, layout = rank_caches(self.d_kinds, d_fulls, d_size, d, fill=-7.0)
+            caches, cfg, layout, typed = rank_caches(self.d_kinds, d_fulls, d_size, d, fill=-7.0)
             opts = ConnectorOptions(peers=(self.base,)).for_rank(d)
             w = WorkerHalf(
                 layout=layout, options=opts, is_producer=False, is_consumer=True,
@@ -93,7 +93,7 @@ class _Ranks:
                 **{**common, "engine_id": "decode"},
             )  # fmt: skip
             self.decode.append(w)
-            self.caches.append(caches)
+            self.caches.append(typed)
 
     def keep(self) -> KVTransferParams:
         """Every prefill rank keeps the request's blocks (vLLM's step metadata); the
@@ -130,7 +130,6 @@ class _Ranks:
             for layer in range(LAYERS):
                 name = f"model.layers.{g * LAYERS + layer}.mixer"
                 got = self.caches[d][name]
-                got = got if isinstance(got, list) else [got]
                 want = kind.shard(self.fulls[g][layer], d_size, d)
                 for t_got, t_want in zip(got, want, strict=True):
                     for s, b in zip(SRC_BLOCKS[1:], DST_BLOCKS, strict=True):
@@ -175,7 +174,7 @@ def test_without_one_sided_reads_the_pair_is_refused_by_name(monkeypatch):
     try:
         error = ranks.load(0, ranks.keep())
         assert "HYBRID_PD_UCX_ONESIDED=1" in error and "refused the handshake" in error
-        assert (ranks.caches[0]["model.layers.0.mixer"] == -7.0).all()
+        assert (ranks.caches[0]["model.layers.0.mixer"][0] == -7.0).all()
     finally:
         ranks.close()
 

@@ -82,12 +82,12 @@ def test_decode_ranks_hold_their_shards_after_reading(case, src_size, dst_size):
     torch.manual_seed(0)
     fulls = [[k.full() for _ in range(LAYERS)] for k in kinds]
     src = [rank_caches(kinds, fulls, src_size, p) for p in range(src_size)]
-    src_plans = [VllmPlan(cfg, caches) for caches, cfg, _ in src]
+    src_plans = [VllmPlan(cfg, caches) for caches, cfg, _, _ in src]
     src_layout = src[0][2]
-    for plan, (_, _, layout) in zip(src_plans, src, strict=True):
+    for plan, (_, _, layout, _) in zip(src_plans, src, strict=True):
         check_views(plan.views, layout)
     for d in range(dst_size):
-        caches, cfg, dst_layout = rank_caches(kinds, fulls, dst_size, d, fill=-7.0)
+        caches, cfg, dst_layout, typed = rank_caches(kinds, fulls, dst_size, d, fill=-7.0)
         assert src_layout.difference(dst_layout) is None
         dst_plan = VllmPlan(cfg, caches)
         check_views(dst_plan.views, dst_layout)
@@ -98,7 +98,7 @@ def test_decode_ranks_hold_their_shards_after_reading(case, src_size, dst_size):
         for g, kind in enumerate(kinds):
             for layer in range(LAYERS):
                 name = f"model.layers.{g * LAYERS + layer}.mixer"
-                got = caches[name] if isinstance(caches[name], list) else [caches[name]]
+                got = typed[name]
                 want = kind.shard(fulls[g][layer], dst_size, d)
                 for t_got, t_want in zip(got, want, strict=True):
                     for s, b in zip(SRC_BLOCKS[1:], DST_BLOCKS, strict=True):
@@ -122,9 +122,9 @@ def test_attention_with_k_and_v_apart_is_not_taken_for_head_major():
     """A K/V-split cache (vLLM's GPU backends: [2, blocks, block, heads, dim]) has the
     same bytes per block but not one row per head: the check refuses it by name."""
     kind = Attention(2)
-    _, cfg, layout = rank_caches([kind], [[kind.full()] * LAYERS], 1, 0)
+    _, cfg, layout, _ = rank_caches([kind], [[kind.full()] * LAYERS], 1, 0)
     split = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, 2, 8) for n in cfg.transfer_groups[0].layer_names}
-    with pytest.raises(TPLayoutError, match="group 0: 4 cache tensors, rows for 1"):
+    with pytest.raises(TPLayoutError, match="group 0: 4 cache tensors for 2 layers"):
         check_views(VllmPlan(cfg, split).views, layout)
 
 

@@ -122,31 +122,41 @@ def mamba1() -> State:
 
 
 def rank_caches(kinds, fulls, size: int, rank: int, fill: float | None = None):
-    """A rank's vLLM-like caches: group g's layers' tensors as views over one raw buffer
-    of padded pages (state: conv then SSM in a page), filled with its shard of `fulls`
-    (or a constant). Returns (kv_caches, kv_cache_config, layout)."""
-    caches, groups, geos = {}, [], []
+    """A rank's vLLM-like caches, filled with its shard of `fulls` (or a constant): per
+    layer one view over its own buffer of pages, indexed by block first, as vLLM gives
+    them to `register_kv_caches`: attention [blocks, heads, block, K | V]; a state layer
+    [blocks, 1, 1, bytes] of int8 whose block holds its conv and SSM states packed, the
+    page padded beyond them. Returns (kv_caches, kv_cache_config, layout, tensors):
+    `tensors[name]`, each layer's typed tensors (views into the same memory)."""
+    caches, tensors, groups, geos = {}, {}, [], []
     for g, kind in enumerate(kinds):
         names = []
         shards = [kind.shard(fulls[g][layer], size, rank) for layer in range(LAYERS)]
         sizes = [t[0].numel() * t.element_size() for t in shards[0]]
-        page = sum(sizes) + (64 if len(sizes) > 1 else 0)  # vLLM pads state pages
+        content = sum(sizes)
+        page = content + (64 if len(sizes) > 1 else 0)  # vLLM pads state pages
         for layer in range(LAYERS):
-            raw = torch.zeros(NUM_BLOCKS, page, dtype=torch.uint8)
+            raw = torch.zeros(NUM_BLOCKS * page, dtype=torch.uint8)
             views, at = [], 0
             for t in shards[layer]:
                 es = t.element_size()
                 shape = (NUM_BLOCKS, *t.shape[1:])
                 stride = (page // es, *torch.empty(t.shape[1:]).stride())
-                v = torch.as_strided(raw.view(-1).view(t.dtype), shape, stride, at // es)
+                v = torch.as_strided(raw.view(t.dtype), shape, stride, at // es)
                 v.copy_(t if fill is None else torch.full_like(t, fill))
                 views.append(v)
                 at += t[0].numel() * es
             name = f"model.layers.{g * LAYERS + layer}.mixer"
-            caches[name] = views if len(views) > 1 else views[0]
+            tensors[name] = views
+            if len(views) == 1:
+                caches[name] = views[0]
+            else:
+                pages = torch.as_strided(raw.view(torch.int8), (NUM_BLOCKS, 1, 1, content),
+                                         (page, content, content, 1))  # fmt: skip
+                caches[name] = pages
             names.append(name)
         groups.append(SimpleNamespace(layer_names=names))
         geos.append(GroupGeometry("k", "s", LAYERS, page, 1, kind.rows(size)))
     config = SimpleNamespace(transfer_groups=groups, num_blocks=NUM_BLOCKS)
     layout = KVLayout(BLOCK, geos[0].slot_bytes, tuple(geos), "vllm:tiny:X", size)
-    return caches, config, layout
+    return caches, config, layout, tensors

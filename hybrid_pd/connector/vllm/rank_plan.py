@@ -32,12 +32,20 @@ VIEW, SRC_OFF, DST_OFF, NBYTES = range(4)
 
 
 def block_pieces(
-    rows: Sequence[SlotRows], src_size: int, dst_size: int, dst_rank: int
-) -> list[tuple[Piece, ...]]:
-    """Per tensor of a layer, the pieces (source rank, source offset, destination offset,
-    bytes; offsets within one block of that tensor) that fill `dst_rank`'s block (a
-    replicated unit from the prefill rank nearest it: few sources per decode rank)."""
-    return [tensor_pieces(r, r, src_size, dst_size, dst_rank, near=True) for r in rows]
+    src_rows: Sequence[SlotRows],
+    dst_rows: Sequence[SlotRows],
+    src_size: int,
+    dst_size: int,
+    dst_rank: int,
+) -> list[Piece]:
+    """The pieces (source rank, source offset, destination offset, bytes; offsets within
+    one block of a layer's cache, each side's tensors at their own offsets) that fill
+    `dst_rank`'s block (a replicated unit from the prefill rank nearest it: few sources
+    per decode rank)."""
+    out: list[Piece] = []
+    for s, d in zip(src_rows, dst_rows, strict=True):
+        out += tensor_pieces(s, d, src_size, dst_size, dst_rank, near=True)
+    return out
 
 
 def sources(layout_rows, src_size: int, dst_size: int, dst_rank: int) -> list[int]:
@@ -46,8 +54,7 @@ def sources(layout_rows, src_size: int, dst_size: int, dst_rank: int) -> list[in
     split over both sizes."""
     found: set[int] = set()
     for rows in layout_rows:
-        for pieces in block_pieces(rows, src_size, dst_size, dst_rank):
-            found.update(p[0] for p in pieces)
+        found.update(p[0] for p in block_pieces(rows, rows, src_size, dst_size, dst_rank))
     return sorted(found)
 
 
@@ -60,8 +67,9 @@ class RankPlan:
     """Runs between prefill rank `src_rank` of `src` and decode rank `dst_rank` of `dst`:
     an int64 [n, 4] array of (view, source offset, destination offset, bytes), offsets
     into the view's cache tensor (views numbered as `VllmPlan.memory` numbers them, the
-    same on both servers: same model, same groups). `views`: this side's `VllmPlan`
-    views per group, needed to read (`read_pieces`), not to count."""
+    same on both servers: same model, same groups; one view per layer, holding the
+    layer's tensors at their rows' offsets). `views`: this side's `VllmPlan` views per
+    group, needed to read (`read_pieces`), not to count."""
 
     def __init__(
         self,
@@ -76,18 +84,15 @@ class RankPlan:
         self.src, self.dst = src, dst
         self.src_rank, self.dst_rank = src_rank, dst_rank
         self.views = views
-        self._pieces: list[np.ndarray] = []  # per group: [k, 4] (tensor, src, dst, bytes)
-        self._tensors: list[int] = []  # per group: tensors per layer
+        self._pieces: list[np.ndarray] = []  # per group: [k, 3] (src, dst, bytes)
         for g, (a, b) in enumerate(zip(src.groups, dst.groups, strict=True)):
-            if not a.rows or a.rows != b.rows:
+            if not a.rows or row_shapes(a.rows) != row_shapes(b.rows):
                 raise TPLayoutError(f"group {g} ({a.kind}): rows not described alike")
-            per = block_pieces(a.rows, src.tp_size, dst.tp_size, dst_rank)
-            found = [(j, s, d, n) for j, ps in enumerate(per) for r, s, d, n in ps if r == src_rank]
-            self._pieces.append(np.asarray(found, dtype=np.int64).reshape(-1, 4))
-            self._tensors.append(len(a.rows))
-        counts = [g.num_layers * t for g, t in zip(dst.groups, self._tensors, strict=True)]
+            per = block_pieces(a.rows, b.rows, src.tp_size, dst.tp_size, dst_rank)
+            found = [(s, d, n) for r, s, d, n in per if r == src_rank]
+            self._pieces.append(np.asarray(found, dtype=np.int64).reshape(-1, 3))
         #: Per group, the number of its first view.
-        self._first = list(itertools.accumulate(counts, initial=0))
+        self._first = list(itertools.accumulate((g.num_layers for g in dst.groups), initial=0))
 
     @property
     def pull_fields(self) -> dict:
@@ -124,16 +129,15 @@ class RankPlan:
         return np.concatenate(parts)
 
     def _group_runs(self, g: int, s_ids: np.ndarray, d_ids: np.ndarray) -> np.ndarray:
-        pieces, per = self._pieces[g], self._tensors[g]
+        pieces = self._pieces[g]
         layers = self.src.groups[g].num_layers
-        # view of (layer, piece's tensor), block pair, piece
-        view = self._first[g] + np.arange(layers)[:, None] * per + pieces[None, :, 0]
+        # layer (its view), block pair, piece
         rows = np.empty((layers, len(s_ids), len(pieces), 4), dtype=np.int64)
-        rows[..., VIEW] = view[:, None, :]
+        rows[..., VIEW] = self._first[g] + np.arange(layers)[:, None, None]
         src_stride, dst_stride = self.src.groups[g].slot_bytes, self.dst.groups[g].slot_bytes
-        rows[..., SRC_OFF] = s_ids[None, :, None] * src_stride + pieces[None, None, :, 1]
-        rows[..., DST_OFF] = d_ids[None, :, None] * dst_stride + pieces[None, None, :, 2]
-        rows[..., NBYTES] = pieces[None, None, :, 3]
+        rows[..., SRC_OFF] = s_ids[None, :, None] * src_stride + pieces[None, None, :, 0]
+        rows[..., DST_OFF] = d_ids[None, :, None] * dst_stride + pieces[None, None, :, 1]
+        rows[..., NBYTES] = pieces[None, None, :, 2]
         return rows.reshape(-1, 4)
 
     def nbytes(self, runs: np.ndarray) -> int:
@@ -155,26 +159,33 @@ class RankPlan:
         return runs[:, [VIEW, SRC_OFF, NBYTES]], local, [v.t for v in flat]
 
 
+def row_shapes(rows: Sequence[SlotRows]) -> list[tuple]:
+    """What two TP sizes' descriptions of a layer's tensors must share (not the offsets:
+    each rank packs its own, smaller or larger, tensors)."""
+    return [(r.segments, r.row_bytes, r.lines) for r in rows]
+
+
 def check_views(views: Sequence[Sequence], layout: KVLayout) -> None:
     """Raise TPLayoutError unless `views` (this side's `VllmPlan` views, per group) are the
-    tensors `layout`'s rows describe: each group's layers' tensors, a block of each as
-    large as its rows and leading with them, blocks one group page apart."""
+    caches `layout`'s rows describe: one view per layer, a block of it holding the
+    layer's tensors packed at their rows' offsets (an attention block leading with its
+    KV heads), blocks one group page apart."""
     for g, (vs, geo) in enumerate(zip(views, layout.groups, strict=True)):
-        rows = geo.rows
-        if not rows or len(vs) != geo.num_layers * len(rows):
-            raise TPLayoutError(f"group {g}: {len(vs)} cache tensors, rows for {len(rows)}")
-        for i, v in enumerate(vs):
-            r = rows[i % len(rows)]
-            shape = tuple(v.t.shape[1:])
-            n = r.rank_rows(layout.tp_size)
-            lead = (r.lines, n) if r.lines > 1 else (n,)
+        rows, tp = geo.rows, layout.tp_size
+        if not rows or len(vs) != geo.num_layers:
+            raise TPLayoutError(f"group {g}: {len(vs)} cache tensors for {geo.num_layers} layers")
+        ends = [r.offset + r.rank_bytes(tp) for r in rows]
+        packed = [r.offset for r in rows] == [0, *ends[:-1]]
+        for v in vs:
+            lead = tuple(v.t.shape[1:2])
             if (
-                v.stride_bytes != geo.slot_bytes
-                or v.block_bytes != r.rank_bytes(layout.tp_size)
-                or shape[: len(lead)] != lead
+                not packed
+                or v.stride_bytes != geo.slot_bytes
+                or v.block_bytes != ends[-1]
+                or (len(rows) == 1 and rows[0].lines == 1 and lead != (rows[0].rank_rows(tp),))
             ):
                 raise TPLayoutError(
                     f"group {g}: a cache tensor of {tuple(v.t.shape)} (block stride "
                     f"{v.stride_bytes} bytes) is not laid out as its rows say "
-                    f"({r.rank_bytes(layout.tp_size)} bytes a block, {geo.slot_bytes} apart)"
+                    f"({ends[-1]} bytes a block, {geo.slot_bytes} apart)"
                 )

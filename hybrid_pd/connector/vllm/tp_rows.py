@@ -1,26 +1,28 @@
 """Which rows of vLLM's per-layer caches each tensor-parallel rank holds.
 
-vLLM keeps one cache tensor per layer (two for a state layer), indexed by block id first.
-One block of one rank's tensor, as vLLM's CPU build lays it out:
+vLLM views each layer's cache as one tensor indexed by block id first, a block one page
+of its group apart. One block of one rank's cache, as vLLM's CPU build lays it out:
 
     attention   [kv_heads, block_size, K | V]     rows: KV heads (replicated when fewer
                                                    heads than ranks)
-    Mamba2 conv [kernel - 1, x | B | C]  ("SD")    lines: conv taps; rows: channels, x by
-                                                   heads, B and C by group (n_groups < TP:
-                                                   every rank holds its heads' group)
-    Mamba2 SSM  [heads, head_dim, state]           rows: heads
-    GDN conv    [kernel - 1, q | k | v]  ("SD")    rows: q and k by key head, v by value head
-    GDN state   [v_heads, v_dim, k_dim]            rows: value heads
-    Mamba1      conv as above over the inner channels; SSM [inner, state]
+    state layer one page of bytes, its tensors packed one after another
+                                                   (MambaBase.bind_kv_cache unpacks them):
+      Mamba2    conv [kernel - 1, x | B | C] ("SD"), then SSM [heads, head_dim, state]
+                conv rows: channels, x by head, B and C by group (n_groups < TP: every
+                rank holds its heads' group); SSM rows: heads
+      GDN       conv [kernel - 1, q | k | v], then state [v_heads, v_dim, k_dim]
+                conv rows: q and k by key head, v by value head; state rows: value heads
+      Mamba1    conv over the inner channels, then SSM [inner, state]
 
 (with VLLM_SSM_CONV_STATE_LAYOUT=DS a conv state is [channels, kernel - 1]: one line).
 
-Each tensor is described as `kvcache.tp_layout.SlotRows` at offset 0 of its block, with
-the model's rows at TP 1 (from the checkpoint's config, `kvcache.hf_configs`), so the
-pieces a decode rank needs from each prefill rank come from `tensor_pieces`, the same
-mapping our engine's TP groups use. A description is checked against vLLM's own per-rank
-shapes here and against the cache tensors at `VllmPlan` time; what does not match is left
-undescribed, and servers of different TP sizes are then refused at the handshake.
+Each tensor is described as `kvcache.tp_layout.SlotRows` at its offset in the block,
+with the model's rows at TP 1 (from the checkpoint's config, `kvcache.hf_configs`), so
+the pieces a decode rank needs from each prefill rank come from `tensor_pieces`, the
+same mapping our engine's TP groups use. A description is checked against vLLM's own
+per-rank shapes here and against the cache tensors at `register_kv_caches`
+(`rank_plan.check_views`); what does not match is left undescribed, and servers of
+different TP sizes are then refused by name.
 """
 
 from __future__ import annotations
@@ -61,24 +63,26 @@ def state_rows(
     conv_dim_first: bool = False,
 ) -> tuple[SlotRows, ...]:
     """A state layer's tensors, vLLM's per-rank `shapes` (one block each; the first is
-    the conv state, token-major unless `conv_dim_first`). Raises TPLayoutError when they
+    the conv state, token-major unless `conv_dim_first`), packed one after another in
+    the layer's page as vLLM's Mamba layers unpack it. Raises TPLayoutError when they
     are not the split of `full`'s rows."""
     if not full.row_splits or len(shapes) != len(full.row_splits):
         raise TPLayoutError(
             f"{len(shapes)} state tensors, {len(full.row_splits)} described for {full.mamba_type}"
         )
-    out = []
+    out, offset = [], 0
     for i, (shape, es, segs) in enumerate(zip(shapes, dtype_bytes, full.row_splits, strict=True)):
         shape = tuple(int(d) for d in shape)
         if i == 0 and not conv_dim_first:  # [taps, channels]
             if len(shape) != 2:
                 raise TPLayoutError(f"conv state of shape {shape}")
-            rows = SlotRows(0, es, tuple(segs), lines=shape[0])
+            rows = SlotRows(offset, es, tuple(segs), lines=shape[0])
             _expect(rows.rank_rows(tp_size), shape[1], "conv channels per rank")
         else:  # [rows, ...]
-            rows = SlotRows(0, math.prod(shape[1:]) * es, tuple(segs))
+            rows = SlotRows(offset, math.prod(shape[1:]) * es, tuple(segs))
             _expect(rows.rank_rows(tp_size), shape[0], f"rows of state tensor {i} per rank")
         out.append(rows)
+        offset += rows.rank_bytes(tp_size)
     return tuple(out)
 
 
