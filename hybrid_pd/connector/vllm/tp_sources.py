@@ -33,6 +33,7 @@ class RankSources:
         self.decode = None
         self._lock = threading.Lock()
         self._rank_of: dict[str, int] = {}  # a prefill rank's control address -> its rank
+        self._sizes: dict[str, int] = {}  # a prefill server's rank-0 address -> its TP size
         self._prefill_plans: dict[tuple[KVLayout, int], RankPlan] = {}
         #: Why this rank's caches cannot move between TP sizes (None: they can).
         self.unmapped: str | None = None
@@ -62,14 +63,33 @@ class RankSources:
     def _ranks(self, base: str) -> list[int]:
         """The ranks of the prefill server whose rank 0 serves at `base` that this rank
         pulls from (handshaking with rank 0 once)."""
-        peer = self.decode.peer_layout(base)
-        if peer.tp_size == self.layout.tp_size:
+        size = self.decode.peer_layout(base).tp_size
+        with self._lock:
+            self._sizes[base] = size
+        return self._ranks_of(size)
+
+    def _ranks_of(self, size: int) -> list[int]:
+        if size == self.layout.tp_size:
             return [self.rank]
         try:
             rows = [g.rows for g in self.layout.groups]
-            return sources(rows, peer.tp_size, self.layout.tp_size, self.rank)
+            return sources(rows, size, self.layout.tp_size, self.rank)
         except TPLayoutError as e:
             raise TransferFailed(str(e)) from None
+
+    def known_sources(self, params: KVTransferParams) -> list[KVTransferParams] | None:
+        """`sources` without a handshake: None where the prefill server's size is not
+        known yet (or its ranks cannot be mapped). For aborts: no wait on a step."""
+        base = params.control_address
+        with self._lock:
+            size = self._sizes.get(base)
+        try:
+            ranks = self._ranks_of(size) if size is not None else None
+        except TransferFailed:
+            return None
+        if ranks is None:
+            return None
+        return [dataclasses.replace(params, control_address=rank_address(base, r)) for r in ranks]
 
     def sources(self, params: KVTransferParams) -> list[KVTransferParams]:
         """`params` (rank 0's) addressed to each prefill rank this rank pulls from: its own

@@ -166,15 +166,16 @@ class WorkerHalf:
                 ld.request_id, ld.params, ld.block_ids, sources=self.sources.sources
             )
             self._loads_running += 1
-        for p in meta.drops:
+        for params in meta.drops:
             if self.decode is None:
                 continue
-            p = self._ranked(p)
-            try:  # a known peer, or one the params vouch for: it frees the blocks now
-                self.decode.admission.admit(p)
-            except TransferFailed:
-                continue  # else its lease expires on its own
-            self.decode.abort_later(p)
+            # the prefill ranks this rank reads from, where their server's size is known
+            for p in self.sources.known_sources(params) or [self._ranked(params)]:
+                try:  # a known peer, or one the params vouch for: it frees the blocks now
+                    self.decode.admission.admit(p)
+                except TransferFailed:
+                    continue  # else its lease expires on its own
+                self.decode.abort_later(p)
 
     def _ranked(self, params):
         """The params as this rank's pull needs them: the prefill server's same rank."""
