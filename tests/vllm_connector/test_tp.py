@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
 
 
-def _pd(root, prefill_tp: int, decode_tp: int):
-    model = checkpoints.granite_hybrid(root / "ckpt")
+def _pd(root, prefill_tp: int, decode_tp: int, family: str = "granite"):
+    build = {"granite": checkpoints.granite_hybrid, "gemma3": checkpoints.gemma3}[family]
+    model = build(root / "ckpt")
     secret = root / "secret"
     secret.write_text(secrets.token_urlsafe(24))
     control = free_port()
@@ -68,11 +69,16 @@ def _run(prefill: Server, decode: Server, prompts) -> tuple[list, list]:
     return got, want
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 2), (1, 2), (2, 1)])
-def test_tp_servers_hand_over(tmp_path, prefill_tp, decode_tp):
+@pytest.mark.parametrize(
+    ("family", "prefill_tp", "decode_tp"),
+    # Granite-4.0-H-like (Mamba2, n_groups = 1: B and C on every rank; one KV head);
+    # Gemma 3-like (sliding window + full attention, one KV head: replicated)
+    [("granite", 2, 2), ("granite", 1, 2), ("granite", 2, 1), ("gemma3", 1, 2), ("gemma3", 2, 1)],
+)
+def test_tp_servers_hand_over(tmp_path, family, prefill_tp, decode_tp):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, checkpoints.VOCAB - 1) for _ in range(n)] for n in (5, 60)]
-    prefill, decode = _pd(tmp_path, prefill_tp, decode_tp)
+    prefill, decode = _pd(tmp_path, prefill_tp, decode_tp, family)
     try:
         start_all((prefill, decode), timeout=600)
         before = decode.metrics()
