@@ -164,11 +164,12 @@ class DecodeConnector(TwoSidedPulls):
         params: KVTransferParams,
         block_ids: tuple[list[int], ...],
         held: Sequence[int] = (),
-        sources: Callable[[KVTransferParams], Sequence[KVTransferParams]] | None = None,
+        sources: Callable[[KVTransferParams], tuple[list, list]] | None = None,
     ) -> None:
         """`sources(params)`: where the KV lies in pieces at several prefill ranks (vLLM's
-        ranks across TP sizes), the params addressed to each, called on the pull thread (it
-        may handshake); the load pulls from each in turn and releases each."""
+        ranks across TP sizes), (the params addressed to each rank to pull from, those of
+        ranks only to release: they keep blocks no decode rank reads), called on the pull
+        thread (it may handshake); the load pulls from each in turn and releases all."""
         if params.staged:
             self._staged.start(request_id, params, block_ids, tuple(held))
             return
@@ -176,15 +177,16 @@ class DecodeConnector(TwoSidedPulls):
 
     def _load(self, request_id: RequestId, params, block_ids, held, sources=None) -> None:
         timeline.stamp(params.request_id, "pull_start")
-        release, todo = None, [params]
+        release, todo, unread = None, [params], []
         try:
             t0, nbytes, messages = time.perf_counter(), 0, 0
-            todo = list(sources(params)) if sources is not None else todo
+            if sources is not None:
+                todo, unread = sources(params)
             for p in todo:
                 st = self.pull(p, block_ids, release=False, held=held, spend=False)
                 nbytes, messages = nbytes + st.bytes, messages + st.messages
             self.admission.spend(params)
-            release = todo
+            release = [*todo, *unread]
             res = LoadResult(request_id, None, nbytes, messages, time.perf_counter() - t0)
         except TransferFailed as e:
             res = LoadResult(request_id, str(e))
@@ -193,7 +195,7 @@ class DecodeConnector(TwoSidedPulls):
             res = LoadResult(request_id, f"{type(e).__name__}: {e}")
         if res.error is not None:
             logger.warning("KV pull for %s failed: %s", request_id, res.error)
-            for p in todo:
+            for p in [*todo, *unread]:
                 if self.admission.may_dial(p.control_address):
                     self.abort_later(p)  # the prefill worker frees it now, not at expiry
         timeline.stamp(params.request_id, "finish_load")

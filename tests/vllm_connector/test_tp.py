@@ -91,15 +91,21 @@ def test_tp_servers_hand_over(tmp_path, family, prefill_tp, decode_tp):
             "hybrid_pd_kv_pull_failures_total", 0
         )
         # equal sizes: each decode rank pulled from its prefill rank; TP 1 -> 2: each
-        # decode rank from rank 0; TP 2 -> 1: decode's rank from both prefill ranks
-        per_prompt = decode_tp if prefill_tp == decode_tp else 2
+        # decode rank from rank 0; TP 2 -> 1: decode's rank from both prefill ranks, or
+        # (Gemma's one KV head, on every rank) from rank 0, releasing rank 1 unread
+        per_prompt = 1 if (family, prefill_tp, decode_tp) == ("gemma3", 2, 1) else 2
         assert (pulls, failed) == (per_prompt * len(prompts), 0)
-        # every piece read one-sided and confirmed (prefill's stats come with its steps)
-        read = lambda: prefill.metrics().get("hybrid_pd_kv_read_pulls_total", 0)  # noqa: E731
+        # every piece read one-sided and confirmed, and every prefill rank's lease
+        # released (its blocks freed); prefill's stats come with its steps
+        want = {"read_pulls": per_prompt, "released": prefill_tp}
+        want = {f"hybrid_pd_kv_{k}_total": n * len(prompts) for k, n in want.items()}
         deadline = time.monotonic() + 60
-        while read() < per_prompt * len(prompts) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            sent = prefill.metrics()
+            if all(sent.get(k, 0) >= n for k, n in want.items()):
+                break
             time.sleep(1)
-        assert read() == per_prompt * len(prompts)
+        assert {k: sent.get(k, 0) for k in want} == want
     finally:
         for server in (prefill, decode):
             server.stop()

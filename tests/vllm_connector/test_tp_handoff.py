@@ -66,17 +66,18 @@ def _wait(cond, timeout: float = 30.0) -> bool:
 class _Ranks:
     """The prefill server's ranks and the decode server's, each a WorkerHalf."""
 
-    def __init__(self, p_size: int, d_size: int, d_kinds=None, seed: int = 0) -> None:
-        torch.manual_seed(seed)
-        self.fulls = [[k.full() for _ in range(LAYERS)] for k in KINDS]
-        self.d_kinds = d_kinds or KINDS
+    def __init__(self, p_size: int, d_size: int, d_kinds=None, kinds=None) -> None:
+        torch.manual_seed(0)
+        self.kinds = kinds or KINDS
+        self.fulls = [[k.full() for _ in range(LAYERS)] for k in self.kinds]
+        self.d_kinds = d_kinds or self.kinds
         secret = secrets.token_urlsafe(16)
         base = _ports(p_size)
         self.base = f"127.0.0.1:{base}"
         self.prefill, self.decode, self.caches, self.freed = [], [], [], []
         common = dict(secret=secret, cpus=None, engine_id="e")
         for p in range(p_size):
-            caches, cfg, layout, _ = rank_caches(KINDS, self.fulls, p_size, p)
+            caches, cfg, layout, _ = rank_caches(self.kinds, self.fulls, p_size, p)
             opts = ConnectorOptions(control_port=base).for_rank(p)
             w = WorkerHalf(
                 layout=layout, options=opts, is_producer=True, is_consumer=False,
@@ -98,7 +99,7 @@ class _Ranks:
     def keep(self) -> KVTransferParams:
         """Every prefill rank keeps the request's blocks (vLLM's step metadata); the
         params are rank 0's, as its scheduler hands them out."""
-        kept = tuple(tuple(SRC_BLOCKS) for _ in KINDS)
+        kept = tuple(tuple(SRC_BLOCKS) for _ in self.kinds)
         for w in self.prefill:
             w.apply(HybridPDMetadata(sends=[Send(RID, "tok", kept)]))
         return handover_params(self.prefill[0].prefill, RID, kept, [5, 6, 7], 9, "tok")
@@ -126,7 +127,7 @@ class _Ranks:
         return (p, RID) in self.freed
 
     def check_shards(self, d: int, d_size: int) -> None:
-        for g, kind in enumerate(KINDS):
+        for g, kind in enumerate(self.kinds):
             for layer in range(LAYERS):
                 name = f"model.layers.{g * LAYERS + layer}.mixer"
                 got = self.caches[d][name]
@@ -145,16 +146,24 @@ def one_sided(monkeypatch):
     monkeypatch.setenv("HYBRID_PD_UCX_ONESIDED", "1")
 
 
-@pytest.mark.parametrize(("p_size", "d_size"), [(1, 2), (2, 1)])
-def test_decode_ranks_pull_their_pieces_from_the_prefill_ranks(one_sided, p_size, d_size):
-    ranks = _Ranks(p_size, d_size)
+@pytest.mark.parametrize(
+    ("family", "p_size", "d_size"),
+    [("granite", 1, 2), ("granite", 2, 1), ("attention", 1, 2), ("attention", 2, 1)],
+)
+def test_decode_ranks_pull_their_pieces_from_the_prefill_ranks(one_sided, family, p_size, d_size):
+    """Granite-like: Mamba2's x channels split, so TP 2 -> 1 reads both prefill ranks.
+    Attention with one KV head (held by every rank): TP 2 -> 1 reads rank 0 only, and
+    prefill rank 1, which no decode rank reads, is released all the same."""
+    kinds = KINDS if family == "granite" else [Attention(1)]
+    ranks = _Ranks(p_size, d_size, kinds=kinds)
+    sources = {("granite", 2, 1): 2}.get((family, p_size, d_size), 1)
     try:
         params = ranks.keep()
         for d in range(d_size):
             assert ranks.load(d, params) is None
             ranks.check_shards(d, d_size)
             stats = ranks.decode[d].decode.stats_snapshot()
-            assert stats["pulls"] == max(p_size // d_size, 1)  # one per source rank
+            assert stats["pulls"] == sources  # one per prefill rank holding its pieces
             if d < d_size - 1:  # a rank still to read from prefill rank 0: kept for it
                 time.sleep(0.3)
                 assert not ranks.sent(0) and ranks.prefill[0].prefill.num_leases == 1
@@ -162,8 +171,10 @@ def test_decode_ranks_pull_their_pieces_from_the_prefill_ranks(one_sided, p_size
         assert _wait(lambda: all(ranks.sent(p) for p in range(p_size)), 10)
         assert sorted(ranks.freed) == [(p, RID) for p in range(p_size)]
         read = [w.prefill.stats_snapshot() for w in ranks.prefill]
-        assert [s["read_pulls"] for s in read] == [d_size // p_size or 1] * p_size
+        want = [d_size] if p_size == 1 else [1, 1 if family == "granite" else 0]
+        assert [s["read_pulls"] for s in read] == want
         assert [s["released"] for s in read] == [1] * p_size
+        assert all(w.prefill.num_leases == 0 for w in ranks.prefill)
     finally:
         ranks.close()
 

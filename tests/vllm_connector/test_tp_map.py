@@ -18,7 +18,7 @@ import torch
 
 from hybrid_pd.connector.layout import GroupGeometry, KVLayout
 from hybrid_pd.connector.vllm.plan import VllmPlan
-from hybrid_pd.connector.vllm.rank_plan import RankPlan, check_views, readers, sources
+from hybrid_pd.connector.vllm.rank_plan import RankPlan, check_views, readers, sources, unread
 from hybrid_pd.connector.vllm.tp_rows import attention_rows, state_rows
 from hybrid_pd.kvcache.tp_layout import TPLayoutError
 from tests.vllm_connector.tp_caches import (
@@ -116,6 +116,13 @@ def test_readers_count_the_decode_ranks_reading_a_prefill_rank():
     assert [readers(rows, 2, 1, p) for p in (0, 1)] == [1, 1]
     assert sources(rows, 2, 1, 0) == [0, 1]
     assert [sources(rows, 1, 2, d) for d in (0, 1)] == [[0], [0]]
+    assert unread(rows, 2, 1, 0) == []  # Mamba2's x channels: both prefill ranks read
+    heads = [
+        g.rows for g in rank_caches([Attention(1)], [[Attention(1).full()] * 2], 2, 0)[2].groups
+    ]
+    # one KV head on every rank: decode reads prefill rank 0 and releases rank 1 unread
+    assert sources(heads, 2, 1, 0) == [0] and unread(heads, 2, 1, 0) == [1]
+    assert [unread(heads, 4, 2, d) for d in (0, 1)] == [[1], [3]]
 
 
 def test_attention_with_k_and_v_apart_is_not_taken_for_head_major():

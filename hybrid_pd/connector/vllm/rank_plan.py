@@ -63,6 +63,17 @@ def readers(layout_rows, src_size: int, dst_size: int, src_rank: int) -> int:
     return sum(src_rank in sources(layout_rows, src_size, dst_size, d) for d in range(dst_size))
 
 
+def unread(layout_rows, src_size: int, dst_size: int, dst_rank: int) -> list[int]:
+    """The prefill ranks no decode rank reads from (they hold only replicated rows that
+    other ranks serve) that decode rank `dst_rank` releases: each by the decode rank
+    p * dst_size // src_size, so that exactly one does."""
+    return [
+        p
+        for p in range(src_size)
+        if p * dst_size // src_size == dst_rank and readers(layout_rows, src_size, dst_size, p) == 0
+    ]
+
+
 class RankPlan:
     """Runs between prefill rank `src_rank` of `src` and decode rank `dst_rank` of `dst`:
     an int64 [n, 4] array of (view, source offset, destination offset, bytes), offsets

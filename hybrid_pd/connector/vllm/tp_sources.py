@@ -18,7 +18,7 @@ from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.base import TransferFailed
 from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.vllm.options import rank_address
-from hybrid_pd.connector.vllm.rank_plan import RankPlan, check_views, sources
+from hybrid_pd.connector.vllm.rank_plan import RankPlan, check_views, sources, unread
 from hybrid_pd.kvcache.tp_layout import TPLayoutError
 
 logger = logging.getLogger(__name__)
@@ -78,32 +78,47 @@ class RankSources:
             raise TransferFailed(str(e)) from None
 
     def known_sources(self, params: KVTransferParams) -> list[KVTransferParams] | None:
-        """`sources` without a handshake: None where the prefill server's size is not
-        known yet (or its ranks cannot be mapped). For aborts: no wait on a step."""
+        """The prefill ranks `sources` names (to pull from or release) without a
+        handshake: None where the prefill server's size is not known yet (or its ranks
+        cannot be mapped). For aborts: no wait on a step."""
         base = params.control_address
         with self._lock:
             size = self._sizes.get(base)
+        if size is None:
+            return None
         try:
-            ranks = self._ranks_of(size) if size is not None else None
+            ranks = self._ranks_of(size)
         except TransferFailed:
             return None
-        if ranks is None:
-            return None
+        if size != self.layout.tp_size:
+            rows = [g.rows for g in self.layout.groups]
+            ranks += unread(rows, size, self.layout.tp_size, self.rank)
         return [dataclasses.replace(params, control_address=rank_address(base, r)) for r in ranks]
 
-    def sources(self, params: KVTransferParams) -> list[KVTransferParams]:
-        """`params` (rank 0's) addressed to each prefill rank this rank pulls from: its own
-        rank's where the sizes are equal, else every rank holding a piece of its rows. Each
-        address is let in as rank 0's is: known, or vouched for by the signed params."""
+    def sources(self, params: KVTransferParams) -> tuple[list, list]:
+        """`params` (rank 0's) addressed to each prefill rank this rank pulls from (its own
+        rank's where the sizes are equal, else every rank holding a piece of its rows), and
+        to the ranks it only releases (`rank_plan.unread`: every prefill rank keeps the
+        blocks until released). Each address is let in as rank 0's is: known, or vouched
+        for by the signed params."""
         base = params.control_address
         self.decode.admission.admit(params)  # a known peer, or signed params; not a replay
         self._let_in(params, base, 0)
-        out = []
-        for r in self._ranks(base):
+        ranks = self._ranks(base)
+        size = self._sizes[base]
+        rest = []
+        if size != self.layout.tp_size:
+            rest = unread(
+                [g.rows for g in self.layout.groups], size, self.layout.tp_size, self.rank
+            )
+        pull, release = [], []
+        for r in ranks + rest:
             address = rank_address(base, r)
             self._let_in(params, address, r)
-            out.append(dataclasses.replace(params, control_address=address))
-        return out
+            (pull if r in ranks else release).append(
+                dataclasses.replace(params, control_address=address)
+            )
+        return pull, release
 
     def _let_in(self, params: KVTransferParams, address: str, rank: int) -> None:
         with self._lock:
