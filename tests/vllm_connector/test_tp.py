@@ -33,7 +33,8 @@ def _pd(root, prefill_tp: int, decode_tp: int, family: str = "granite"):
     secret.write_text(secrets.token_urlsafe(24))
     control = free_port()
     # two spinning servers on two cores are slow: leases long enough to outlast that
-    common = {"secret_file": str(secret), "lease_s": 900.0}
+    # (and control calls: the prefill's gRPC thread shares a core with spinning ranks)
+    common = {"secret_file": str(secret), "lease_s": 900.0, "timeout_s": 120.0}
     cpus = {1: "0", 2: "0|1"}
     # vLLM sizes a hybrid model's blocks by its per-rank pages (64 tokens at TP 1 here, 32
     # at TP 2): block ids must mean the same tokens on both servers. Different TP sizes
