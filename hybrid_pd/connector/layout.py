@@ -130,12 +130,31 @@ class KVLayout:
                     f"KV layout mismatch ({pair}): group {i} spreads a state over "
                     f"{a.blocks_per_state} blocks, which moves only between equal TP sizes"
                 )
-            if not a.rows or _shapes(a.rows) != _shapes(b.rows):
+            if not a.rows or len(_shapes(a.rows)) != len(_shapes(b.rows)):
                 return (
                     f"KV layout mismatch ({pair}): group {i} ({a.kind}) does not describe "
                     "its slot rows the same way on both sides"
                 )
+            for x, y in zip(a.rows, b.rows, strict=True):
+                why = _row_difference(x, y, self.engine == "vLLM")
+                if why:
+                    return f"KV layout mismatch ({pair}): group {i} ({a.kind}): {why}"
         return None
+
+
+def _row_difference(a: SlotRows, b: SlotRows, vllm: bool) -> str | None:
+    """How two descriptions of a slot tensor's rows differ (here, on the peer), or None."""
+    if a.segments != b.segments:
+        return f"rows split as {a.segments} here but {b.segments} on the peer"
+    if a.lines != b.lines:
+        return f"{a.lines} lines (conv taps) here but {b.lines} on the peer"
+    if a.row_bytes != b.row_bytes:
+        hint = ": give both servers the same --block-size" if vllm else ""
+        return (
+            f"{a.row_bytes} bytes a row here but {b.row_bytes} on the peer (another block "
+            f"size or dtype{hint})"
+        )
+    return None
 
 
 def _shapes(rows) -> list[tuple]:

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 8
 
 
-def _pd(root, prefill_tp: int, decode_tp: int, family: str = "granite"):
+def _pd(root, prefill_tp: int, decode_tp: int, family: str = "granite", blocks=(64, 64)):
     build = {"granite": checkpoints.granite_hybrid, "gemma3": checkpoints.gemma3}[family]
     model = build(root / "ckpt")
     secret = root / "secret"
@@ -36,19 +36,20 @@ def _pd(root, prefill_tp: int, decode_tp: int, family: str = "granite"):
     # (and control calls: the prefill's gRPC thread shares a core with spinning ranks)
     common = {"secret_file": str(secret), "lease_s": 900.0, "timeout_s": 120.0}
     cpus = {1: "0", 2: "0|1"}
-    # vLLM sizes a hybrid model's blocks by its per-rank pages (64 tokens at TP 1 here, 32
-    # at TP 2): block ids must mean the same tokens on both servers. Different TP sizes
-    # move pieces one-sided only.
-    same = dict(extra_args=("--block-size", "64"), env={"HYBRID_PD_UCX_ONESIDED": "1"})
+    # Block ids must mean the same tokens on both servers: vLLM sizes a hybrid model's
+    # blocks by its per-rank pages, which may differ between TP sizes (not for these tiny
+    # checkpoints: both fit its 128-token CPU default), so the tests name one size.
+    # Different TP sizes move pieces one-sided only.
+    env = {"HYBRID_PD_UCX_ONESIDED": "1"}
     prefill = Server(
         model, root / "prefill.log", dtype="float32", role="kv_producer",
         extra={**common, "control_port": control}, cpus=cpus[prefill_tp],
-        tensor_parallel_size=prefill_tp, **same,
+        tensor_parallel_size=prefill_tp, env=env, extra_args=("--block-size", str(blocks[0])),
     )  # fmt: skip
     decode = Server(
         model, root / "decode.log", dtype="float32", role="kv_consumer",
         extra={**common, "peers": [f"127.0.0.1:{control}"]}, cpus=cpus[decode_tp],
-        tensor_parallel_size=decode_tp, **same,
+        tensor_parallel_size=decode_tp, env=env, extra_args=("--block-size", str(blocks[1])),
     )  # fmt: skip
     return prefill, decode
 
@@ -107,6 +108,26 @@ def test_tp_servers_hand_over(tmp_path, family, prefill_tp, decode_tp):
                 break
             time.sleep(1)
         assert {k: sent.get(k, 0) for k in want} == want
+    finally:
+        for server in (prefill, decode):
+            server.stop()
+
+
+def test_tp_servers_that_cannot_map_recompute_and_say_why(tmp_path):
+    """TP 1 -> 2 with blocks of 64 tokens on prefill and 128 on decode (vLLM may pick
+    different sizes for different TP sizes of a larger model): the block ids would mean
+    other tokens, so decode's scheduler refuses the params by name before any pull and
+    computes the prompt itself, exactly."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, checkpoints.VOCAB - 1) for _ in range(n)] for n in (5, 60)]
+    prefill, decode = _pd(tmp_path, 1, 2, blocks=(64, 128))
+    try:
+        start_all((prefill, decode), timeout=600)
+        got, want = _run(prefill, decode, prompts)
+        assert got == want
+        m = decode.metrics()
+        assert m.get("hybrid_pd_kv_pulls_total", 0) == 0
+        assert "give both servers the same --block-size" in decode.log.read_text()
     finally:
         for server in (prefill, decode):
             server.stop()

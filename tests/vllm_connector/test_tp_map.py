@@ -12,6 +12,7 @@ stay untouched, and each rank must read exactly its own shard's bytes.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
@@ -156,3 +157,11 @@ def test_handshake_accepts_described_pairs_and_names_what_differs():
                     tuple(GroupGeometry("k", "s", LAYERS, g.slot_bytes, 1) for g in two.groups),
                     two.model, 2)  # fmt: skip
     assert "does not describe its slot rows" in one.difference(bare)
+    # attention blocks of another size: rows of other bytes, named with what to do
+    g0 = two.groups[0]
+    wider = dataclasses.replace(g0.rows[0], row_bytes=2 * g0.rows[0].row_bytes)
+    other = dataclasses.replace(
+        two, groups=(dataclasses.replace(g0, rows=(wider,)), *two.groups[1:])
+    )
+    assert "group 0" in one.difference(other)
+    assert "give both servers the same --block-size" in one.difference(other)
