@@ -65,6 +65,7 @@ CASES = {
     "attention_kv1_replicated": [Attention(1)],
     "mamba2_groups1": [mamba2(1)],
     "mamba2_groups2": [mamba2(2)],
+    "mamba2_groups1_conv_dim_first": [mamba2(1, ds=True)],
     "gdn": [gdn()],
     "mamba1": [mamba1()],
     "granite_like": [Attention(1), mamba2(1)],

@@ -64,10 +64,11 @@ class Attention:
 class State:
     """A state layer: conv [blocks, taps, channels] ("SD") whose channels are segments
     split separately (x | B | C, or q | k | v), and a head-major state [blocks, heads, ...].
-    Both live in one page per block, padded, as vLLM's views over its raw buffer."""
+    Both live in one page per block, padded, as vLLM's views over its raw buffer. `ds`:
+    the conv state dim-first, [blocks, channels, taps] (VLLM_SSM_CONV_STATE_LAYOUT=DS)."""
 
-    def __init__(self, full_spec, conv_parts, heads: int, inner, conv_dtype, ssm_dtype):
-        self.full_spec = full_spec
+    def __init__(self, full_spec, conv_parts, heads: int, inner, conv_dtype, ssm_dtype, ds=False):
+        self.full_spec, self.ds = full_spec, ds
         self.conv_parts = conv_parts  # [(units, width, replicated)], TP 1
         self.heads, self.inner = heads, inner
         self.conv_dtype, self.ssm_dtype = conv_dtype, ssm_dtype
@@ -85,25 +86,28 @@ class State:
             seg = conv[..., at : at + units * width].unflatten(-1, (units, width))
             parts.append(seg[..., split(units, size, rank), :].flatten(-2))
             at += units * width
-        return [torch.cat(parts, -1).contiguous(), ssm[:, split(self.heads, size, rank)]]
+        conv = torch.cat(parts, -1)
+        conv = conv.transpose(1, 2) if self.ds else conv
+        return [conv.contiguous(), ssm[:, split(self.heads, size, rank)]]
 
     def rows(self, size: int):
         conv, ssm = self.shard(self.full(), size, 0)
         shapes = [conv.shape[1:], ssm.shape[1:]]
-        return state_rows(self.full_spec, shapes, [es(self.conv_dtype), es(self.ssm_dtype)], size)
+        sizes = [es(self.conv_dtype), es(self.ssm_dtype)]
+        return state_rows(self.full_spec, shapes, sizes, size, conv_dim_first=self.ds)
 
 
 def es(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def mamba2(n_groups: int) -> State:
+def mamba2(n_groups: int, ds: bool = False) -> State:
     heads, head_dim, n = 4, 4, 6
     spec = mamba2_state_spec(
         num_heads=heads, head_dim=head_dim, state_size=n, n_groups=n_groups, conv_kernel=TAPS + 1
     )
     parts = [(heads, head_dim, False), (n_groups, n, True), (n_groups, n, True)]
-    return State(spec, parts, heads, (head_dim, n), torch.bfloat16, torch.float32)
+    return State(spec, parts, heads, (head_dim, n), torch.bfloat16, torch.float32, ds)
 
 
 def gdn() -> State:
