@@ -174,7 +174,10 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         self._sends = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
 
     async def Handshake(self, request, context):
-        diff = self.layout.difference(layout_from_pb(request.layout))
+        peer = layout_from_pb(request.layout)
+        diff = self.layout.difference(peer)
+        if diff is None and self.prefill is not None:
+            diff = self.prefill.refusal(peer)
         if diff:
             logger.warning("refused handshake from %s: %s", request.engine_id, diff)
         elif request.ucx_address and self.prefill is not None:

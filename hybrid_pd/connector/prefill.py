@@ -387,6 +387,18 @@ class PrefillConnector(Staging, ReadConfirms):
             )
         return plan
 
+    def refusal(self, dst_layout: KVLayout) -> str | None:
+        """Why a decode worker of `dst_layout`, whose layout matches or maps onto ours,
+        still cannot pull from here (its ranks reading their own pieces from caches of
+        ours that are not as described: `rank_plans`); None when it can."""
+        if self._rank_plans is None or dst_layout.tp_size == self.layout.tp_size:
+            return None
+        try:
+            self._rank_plans(dst_layout, 0)
+        except TransferFailed as e:
+            return str(e)
+        return None
+
     def _messages(
         self, plan, runs, message_regions, request_id: RequestId, peer: bytes, tag: int
     ) -> list:

@@ -26,8 +26,10 @@ from hybrid_pd.connector.vllm.options import ConnectorOptions
 from hybrid_pd.connector.vllm.plan import VllmPlan
 from hybrid_pd.connector.vllm.worker import WorkerHalf
 from tests.vllm_connector.tp_caches import (
+    BLOCK,
     DST_BLOCKS,
     LAYERS,
+    NUM_BLOCKS,
     SRC_BLOCKS,
     Attention,
     mamba2,
@@ -66,7 +68,8 @@ def _wait(cond, timeout: float = 30.0) -> bool:
 class _Ranks:
     """The prefill server's ranks and the decode server's, each a WorkerHalf."""
 
-    def __init__(self, p_size: int, d_size: int, d_kinds=None, kinds=None) -> None:
+    def __init__(self, p_size, d_size, d_kinds=None, kinds=None, kv_apart=False) -> None:
+        """`kv_apart`: prefill's caches K and V apart, [2, blocks, block, heads, dim]."""
         torch.manual_seed(0)
         self.kinds = kinds or KINDS
         self.fulls = [[k.full() for _ in range(LAYERS)] for k in self.kinds]
@@ -78,6 +81,8 @@ class _Ranks:
         common = dict(secret=secret, cpus=None, engine_id="e")
         for p in range(p_size):
             caches, cfg, layout, _ = rank_caches(self.kinds, self.fulls, p_size, p)
+            if kv_apart:
+                caches = {n: torch.zeros(2, NUM_BLOCKS, BLOCK, 1, 8) for n in caches}
             opts = ConnectorOptions(control_port=base).for_rank(p)
             w = WorkerHalf(
                 layout=layout, options=opts, is_producer=True, is_consumer=False,
@@ -195,5 +200,18 @@ def test_rows_that_do_not_map_are_refused_by_name(one_sided):
     try:
         error = ranks.load(0, ranks.keep())
         assert "refused the handshake" in error and "group 1" in error
+    finally:
+        ranks.close()
+
+
+def test_a_prefill_rank_whose_caches_are_not_as_described_refuses_the_handshake(one_sided):
+    """Prefill's attention caches with K and V apart (a GPU backend's layout): its rows do
+    not describe them, so it refuses decode ranks of another size by name at the
+    handshake, before any byte is read."""
+    ranks = _Ranks(1, 2, kinds=[Attention(1)], kv_apart=True)
+    try:
+        error = ranks.load(0, ranks.keep())
+        assert "refused the handshake" in error and "not mapped between TP sizes" in error
+        assert ranks.prefill[0].prefill.stats_snapshot()["read_pulls"] == 0
     finally:
         ranks.close()
