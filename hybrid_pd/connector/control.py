@@ -48,7 +48,7 @@ _ROWS_AS_IS = ("offset", "row_bytes")
 def layout_to_pb(layout: KVLayout) -> pb.Layout:
     def rows(r: SlotRows) -> pb.SlotRows:
         segments = [pb.RowSegment(units=u, width=w, replicate=rep) for u, w, rep in r.segments]
-        return pb.SlotRows(**same_named(r, _ROWS_AS_IS), segments=segments)
+        return pb.SlotRows(**same_named(r, _ROWS_AS_IS), segments=segments, lines=r.lines)
 
     return pb.Layout(
         fingerprint=layout.fingerprint,
@@ -66,7 +66,7 @@ def layout_to_pb(layout: KVLayout) -> pb.Layout:
 def layout_from_pb(msg: pb.Layout) -> KVLayout:
     def rows(r: pb.SlotRows) -> SlotRows:
         segments = tuple((s.units, s.width, s.replicate) for s in r.segments)
-        return SlotRows(**same_named(r, _ROWS_AS_IS), segments=segments)
+        return SlotRows(**same_named(r, _ROWS_AS_IS), segments=segments, lines=r.lines or 1)
 
     groups = tuple(
         GroupGeometry(**same_named(g, _GROUP_AS_IS), rows=tuple(rows(r) for r in g.rows))
@@ -174,7 +174,10 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         self._sends = ThreadPoolExecutor(max_parallel_sends, thread_name_prefix="kv-send")
 
     async def Handshake(self, request, context):
-        diff = self.layout.difference(layout_from_pb(request.layout))
+        peer = layout_from_pb(request.layout)
+        diff = self.layout.difference(peer)
+        if diff is None and self.prefill is not None:
+            diff = self.prefill.refusal(peer)
         if diff:
             logger.warning("refused handshake from %s: %s", request.engine_id, diff)
         elif request.ucx_address and self.prefill is not None:
@@ -218,6 +221,10 @@ class KVControlServicer(pb_grpc.KVControlServicer):
         rid = RequestId(request.request_id)
         if request.read_done:
             return await self._confirm_read(request, rid, dst, dst_layout, timeout)
+        if request.per_rank:
+            return pb.PullReply(
+                ok=False, error="a decode rank's own pieces are read one-sided, never sent"
+            )
         if request.stage_epoch:
             send = partial(
                 self.prefill.pull_stage,
@@ -286,7 +293,12 @@ class KVControlServicer(pb_grpc.KVControlServicer):
                     settled = partial(self.prefill.settled, rid)
                     await until(self.prefill.watchers, rid, lambda: (settled(), None), wait)
                 res = self.prefill.confirm_read(
-                    rid, request.transfer_token, dst, list(request.skip_blocks), dst_layout
+                    rid,
+                    request.transfer_token,
+                    dst,
+                    list(request.skip_blocks),
+                    dst_layout,
+                    request.dst_rank if request.per_rank else None,
                 )
         except TransferFailed as e:
             logger.warning("one-sided pull of %s refused: %s", request.request_id, e)

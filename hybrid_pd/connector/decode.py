@@ -31,8 +31,8 @@ from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector import onesided, timeline
 from hybrid_pd.connector.admission import Admission
 from hybrid_pd.connector.base import LoadResult, TransferFailed
-from hybrid_pd.connector.control import call_metadata, layout_from_pb, layout_to_pb
-from hybrid_pd.connector.decode_peer import Peer, Refused, TransferStats, rpc_error
+from hybrid_pd.connector.control import call_metadata, layout_to_pb
+from hybrid_pd.connector.decode_peer import Peer, PeerBook, Refused, TransferStats, rpc_error
 from hybrid_pd.connector.decode_recv import TwoSidedPulls
 from hybrid_pd.connector.decode_stage import StagedLoads
 from hybrid_pd.connector.layout import KVLayout
@@ -45,14 +45,13 @@ from hybrid_pd.connector.segments import (
 from hybrid_pd.connector.tp_plan import ShardedPlan
 from hybrid_pd.kvcache.ids import NULL_BLOCK_ID, EngineId, RequestId
 from hybrid_pd.proto import kv_control_pb2 as pb
-from hybrid_pd.proto import kv_control_pb2_grpc as pb_grpc
 
 __all__ = ["DecodeConnector", "TransferStats"]
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeConnector(TwoSidedPulls):
+class DecodeConnector(TwoSidedPulls, PeerBook):
     def __init__(
         self,
         *,
@@ -71,6 +70,7 @@ class DecodeConnector(TwoSidedPulls):
         max_staged_loads: int = 64,
         shard_buffers: Callable[[], Sequence] | None = None,
         one_sided: bool | None = None,
+        rank_plans: Callable[[KVLayout, str], object] | None = None,
     ) -> None:
         """`peers`: control addresses of the prefill workers this worker may dial (more
         come through `add_peers`); kv_transfer_params naming any other address fail unless
@@ -83,7 +83,10 @@ class DecodeConnector(TwoSidedPulls):
         one: `connector.tp_plan`). `max_staged_loads`: staged loads followed at once (more
         wait their turn; none holds a thread while its prefill runs). `one_sided`: read
         from peers that offer their memory (`connector.onesided`; default: unless
-        HYBRID_PD_UCX_ONESIDED=0)."""
+        HYBRID_PD_UCX_ONESIDED=0). `rank_plans(peer_layout, address)`: where this
+        worker is one rank that reads its own pieces (vLLM's ranks), the plan for a peer
+        rank of another TP size at `address` (read one-sided only; raises TransferFailed
+        when the pair cannot be mapped)."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
@@ -92,6 +95,7 @@ class DecodeConnector(TwoSidedPulls):
         self.one_sided = onesided.enabled() if one_sided is None else one_sided
         self._plan = plan if plan is not None else PagedPlan(region, layout.page_size_bytes)
         self._shard_buffers = shard_buffers
+        self._rank_plans = rank_plans
         self._metadata = call_metadata(secret)
         self.timeout_s = timeout_s
         self._peers: dict[str, Peer] = {}
@@ -159,19 +163,30 @@ class DecodeConnector(TwoSidedPulls):
         params: KVTransferParams,
         block_ids: tuple[list[int], ...],
         held: Sequence[int] = (),
+        sources: Callable[[KVTransferParams], tuple[list, list]] | None = None,
     ) -> None:
+        """`sources(params)`: where the KV lies in pieces at several prefill ranks (vLLM's
+        ranks across TP sizes), (the params addressed to each rank to pull from, those of
+        ranks only to release: they keep blocks no decode rank reads), called on the pull
+        thread (it may handshake); the load pulls from each in turn and releases all."""
         if params.staged:
             self._staged.start(request_id, params, block_ids, tuple(held))
             return
-        self._pulls.submit(self._load, request_id, params, block_ids, tuple(held))
+        self._pulls.submit(self._load, request_id, params, block_ids, tuple(held), sources)
 
-    def _load(self, request_id: RequestId, params: KVTransferParams, block_ids, held) -> None:
+    def _load(self, request_id: RequestId, params, block_ids, held, sources=None) -> None:
         timeline.stamp(params.request_id, "pull_start")
-        release = None
+        release, todo, unread = None, [params], []
         try:
-            st = self.pull(params, block_ids, release=False, held=held)
-            release = params
-            res = LoadResult(request_id, None, st.bytes, st.messages, st.seconds)
+            t0, nbytes, messages = time.perf_counter(), 0, 0
+            if sources is not None:
+                todo, unread = sources(params)
+            for p in todo:
+                st = self.pull(p, block_ids, release=False, held=held, spend=False)
+                nbytes, messages = nbytes + st.bytes, messages + st.messages
+            self.admission.spend(params)
+            release = [*todo, *unread]
+            res = LoadResult(request_id, None, nbytes, messages, time.perf_counter() - t0)
         except TransferFailed as e:
             res = LoadResult(request_id, str(e))
         except Exception as e:  # never lose a load: the engine must hear that it ended
@@ -179,12 +194,13 @@ class DecodeConnector(TwoSidedPulls):
             res = LoadResult(request_id, f"{type(e).__name__}: {e}")
         if res.error is not None:
             logger.warning("KV pull for %s failed: %s", request_id, res.error)
-            if self.admission.may_dial(params.control_address):
-                self.abort_later(params)  # the prefill worker frees it now, not at expiry
+            for p in [*todo, *unread]:
+                if self.admission.may_dial(p.control_address):
+                    self.abort_later(p)  # the prefill worker frees it now, not at expiry
         timeline.stamp(params.request_id, "finish_load")
         self.finish_load(res)
-        if release is not None:  # after the engine heard: not on the request's critical path
-            self.release_after(release)
+        for p in release or ():  # after the engine heard: not on the request's critical path
+            self.release_after(p)
 
     def finish_load(self, res: LoadResult) -> None:
         """A load ended: the engine hears it (`get_finished`) and is woken (`notify`)."""
@@ -225,112 +241,6 @@ class DecodeConnector(TwoSidedPulls):
         except RuntimeError:  # closed: the lease expires on its own
             logger.warning("abort of %s not sent: the connector closed", params.request_id)
 
-    def add_peers(self, addresses) -> None:
-        """Prefill workers (control addresses) this worker may dial from now on."""
-        self.admission.add(addresses)
-
-    @property
-    def known_peers(self) -> list[str]:
-        return self.admission.known
-
-    def pull_kind(self, address: str) -> str | None:
-        """How pulls from the prefill worker at `address` move bytes: "sent" (two-sided),
-        "read" (one-sided, this process copies: same host), "ucx-read" (one-sided through
-        UCX); None before its handshake."""
-        with self._lock:
-            peer = self._peers.get(address)
-        if peer is None:
-            return None
-        if peer.remote is None:
-            return "sent"
-        return "read" if peer.remote.pid else "ucx-read"
-
-    def _peer(self, address: str) -> Peer:
-        with self._lock:
-            peer = self._peers.get(address)
-        if peer is not None:
-            return peer
-        if not self.admission.may_dial(address):
-            # Never dial (and send the secret to) an address taken from a request.
-            raise TransferFailed(
-                f"{address} is not a known prefill worker of this decode worker "
-                "(peers come from the proxy's registry or --peer)"
-            )
-        channel = grpc.insecure_channel(address)
-        stub = pb_grpc.KVControlStub(channel)
-        try:
-            reply = stub.Handshake(
-                pb.HandshakeRequest(
-                    engine_id=self.engine_id,
-                    layout=layout_to_pb(self.layout),
-                    ucx_address=self.transport.address,
-                ),
-                timeout=self.timeout_s,
-                metadata=self._metadata,
-            )
-        except grpc.RpcError as e:
-            channel.close()
-            raise TransferFailed(f"prefill worker {address} unreachable: {rpc_error(e)}") from e
-        diff = self.layout.difference(layout_from_pb(reply.layout))  # said from our side
-        if diff or not reply.ok:
-            channel.close()
-            raise TransferFailed(
-                f"prefill worker {address} refused the handshake: {diff or reply.error}"
-            )
-        peer_layout = layout_from_pb(reply.layout)
-        peer = Peer(
-            channel,
-            stub,
-            reply.ucx_address,
-            reply.engine_id,
-            reply.scatter_gather,
-            peer_layout,
-            self._plan_with(peer_layout),
-            onesided.RemoteMemory.from_pb(reply) if self.one_sided else None,
-        )
-        with self._lock:
-            kept = self._peers.setdefault(address, peer)
-        if kept is not peer:  # another thread dialed it meanwhile
-            channel.close()
-        return kept
-
-    def dial(self, address: str) -> None:
-        """Handshake with a known prefill worker now, before any request needs it (the
-        first pull from a peer otherwise pays the channel's and the handshake's set-up;
-        the prefill worker makes its UCX endpoint to us then too). Raises TransferFailed
-        when the peer cannot be reached or its layout differs."""
-        self._peer(address)
-
-    def _plan_with(self, peer_layout: KVLayout):
-        """Our plan for pulls from a peer of `peer_layout`: pages of one pool each side, or
-        pieces between tensor-parallel groups (`connector.tp_plan.ShardedPlan`)."""
-        if self.layout.tp_size == 1 and peer_layout.tp_size == 1:
-            return self._plan
-        if self._shard_buffers is None and peer_layout.tp_size == self.layout.tp_size:
-            return self._plan  # rank paired with rank (vLLM's workers: each moves its own)
-        if self._shard_buffers is None:
-            raise TransferFailed("a tensor-parallel peer needs this worker's pools in rank order")
-        return ShardedPlan(peer_layout, self.layout, self._shard_buffers)
-
-    def _stub(self, address: str) -> pb_grpc.KVControlStub:
-        """A control stub for calls that move no KV (Abort), made without a handshake: a
-        peer whose layout differs may still be told to drop what it keeps for us."""
-        with self._lock:
-            peer = self._peers.get(address)
-            if peer is not None:
-                return peer.stub
-            if not self.admission.may_dial(address):
-                raise TransferFailed(f"{address} is not a known prefill worker of this one")
-            if address not in self._bare:
-                self._bare[address] = grpc.insecure_channel(address)
-            return pb_grpc.KVControlStub(self._bare[address])
-
-    def forget_peer(self, address: str) -> None:
-        with self._lock:
-            peer = self._peers.pop(address, None)
-        if peer is not None:
-            peer.channel.close()
-
     def pull(
         self,
         params: KVTransferParams,
@@ -338,13 +248,15 @@ class DecodeConnector(TwoSidedPulls):
         release: bool = True,
         held: Sequence[int] = (),
         staged: int = 0,
+        spend: bool = True,
     ) -> TransferStats:
         """Fill `dst_block_ids` (this worker's blocks, per group, null blocks included) with
         the request's KV; then (`release`) release it on the prefill worker. `held[g]`:
         group g's first non-null blocks already hold their KV and are skipped (the prefill
         worker sends only the rest; `staged` of them were staged pulls, not this worker's
         prefix cache). Raises TransferFailed. The seconds reported run from the call to
-        the bytes' arrival."""
+        the bytes' arrival. `spend`: the params are spent here (else the caller spends
+        them once its other pulls of the same request succeeded)."""
         t0 = time.perf_counter()
         self.admission.admit(params)  # a known peer, or signed params; never a replay
         peer = self._peer(params.control_address)  # the handshake names a layout mismatch
@@ -372,7 +284,8 @@ class DecodeConnector(TwoSidedPulls):
             self._count(failed=1)
             raise
         stats = TransferStats(reply.bytes, reply.messages, time.perf_counter() - t0)
-        self.admission.spend(params)
+        if spend:
+            self.admission.spend(params)
         if release:
             self._release(peer, params)
         self._count(
@@ -403,6 +316,7 @@ class DecodeConnector(TwoSidedPulls):
                 ucx_address=self.transport.address,
                 dst_blocks=[pb.BlockIds(ids=g) for g in dst],
                 dst_layout=layout_to_pb(self.layout) if peer.plan is not self._plan else None,
+                **getattr(plan, "pull_fields", {}),
                 **fields,
                 **more,
             )

@@ -92,7 +92,13 @@ class KVLayout:
         for name in ("model", "block_size", "page_size_bytes")[: 3 if same_tp else 2]:
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
-                return f"KV layout mismatch: {name} is {a!r} here but {b!r} on the peer"
+                hint = ""
+                if name == "block_size" and not same_tp and self.engine == "vLLM":
+                    hint = (
+                        " (vLLM sizes a hybrid model's blocks by its per-rank pages, which "
+                        "differ between TP sizes: give both servers the same --block-size)"
+                    )
+                return f"KV layout mismatch: {name} is {a!r} here but {b!r} on the peer{hint}"
         if len(self.groups) != len(other.groups):
             return (
                 f"KV layout mismatch: {len(self.groups)} KV cache groups here but "
@@ -124,9 +130,33 @@ class KVLayout:
                     f"KV layout mismatch ({pair}): group {i} spreads a state over "
                     f"{a.blocks_per_state} blocks, which moves only between equal TP sizes"
                 )
-            if not a.rows or [r.segments for r in a.rows] != [r.segments for r in b.rows]:
+            if not a.rows or len(_shapes(a.rows)) != len(_shapes(b.rows)):
                 return (
                     f"KV layout mismatch ({pair}): group {i} ({a.kind}) does not describe "
                     "its slot rows the same way on both sides"
                 )
+            for x, y in zip(a.rows, b.rows, strict=True):
+                why = _row_difference(x, y, self.engine == "vLLM")
+                if why:
+                    return f"KV layout mismatch ({pair}): group {i} ({a.kind}): {why}"
         return None
+
+
+def _row_difference(a: SlotRows, b: SlotRows, vllm: bool) -> str | None:
+    """How two descriptions of a slot tensor's rows differ (here, on the peer), or None."""
+    if a.segments != b.segments:
+        return f"rows split as {a.segments} here but {b.segments} on the peer"
+    if a.lines != b.lines:
+        return f"{a.lines} lines (conv taps) here but {b.lines} on the peer"
+    if a.row_bytes != b.row_bytes:
+        hint = ": give both servers the same --block-size" if vllm else ""
+        return (
+            f"{a.row_bytes} bytes a row here but {b.row_bytes} on the peer (another block "
+            f"size or dtype{hint})"
+        )
+    return None
+
+
+def _shapes(rows) -> list[tuple]:
+    """What must agree between two TP sizes' descriptions of a slot's tensors."""
+    return [(r.segments, r.row_bytes, r.lines) for r in rows]

@@ -71,6 +71,10 @@ class Lease:
     first_token: int = -1
     #: The staging epoch the blocks were computed under (0: the request was not staged).
     epoch: int = 0
+    #: Releases still owed before the blocks are freed: set by the first pull of a decode
+    #: rank that reads its own pieces (`ReadConfirms.confirm_read`) to the number of decode
+    #: ranks reading from this rank; None: the first Release frees.
+    readers: int | None = None
 
 
 def handover_params(
@@ -129,6 +133,7 @@ class PrefillConnector(Staging, ReadConfirms):
         shard_buffers: Callable[[], Sequence] | None = None,
         secret: str | None = None,
         one_sided: bool | None = None,
+        rank_plans: Callable[[KVLayout, int], Any] | None = None,
     ) -> None:
         """`free_blocks(request_id)` frees a kept request in the engine (thread-safe);
         `region(first_block, n)` returns the contiguous tensor of n blocks of our engine's
@@ -143,7 +148,12 @@ class PrefillConnector(Staging, ReadConfirms):
         `secret`: the control plane's shared secret; the params handed out are then signed
         with it (valid for the lease), so decode servers that were never told of this one
         may pull from it (`api.signing`). `one_sided`: offer decode workers this worker's
-        memory to read (`connector.onesided`; default: unless HYBRID_PD_UCX_ONESIDED=0)."""
+        memory to read (`connector.onesided`; default: unless HYBRID_PD_UCX_ONESIDED=0).
+
+        `rank_plans(dst_layout, dst_rank)`: where each rank of a decode worker pulls its own
+        pieces from this rank (vLLM's ranks, TP sizes differing), the plan of what rank
+        `dst_rank` reads here (with `nbytes` and `readers`); raises TransferFailed when the
+        two cannot be mapped."""
         if (region is None) == (plan is None):
             raise ValueError("give exactly one of region and plan")
         self.engine_id = engine_id
@@ -157,6 +167,7 @@ class PrefillConnector(Staging, ReadConfirms):
         self._shard_buffers = shard_buffers
         #: Plans for tensor-parallel decode layouts, checked once per layout.
         self._tp_plans: dict[KVLayout, ShardedPlan] = {}
+        self._rank_plans = rank_plans
         self.transport = transport
         self.lease_s = lease_s
         self._clock = clock
@@ -352,9 +363,14 @@ class PrefillConnector(Staging, ReadConfirms):
             self.stats["messages_sent"] += len(sending.messages)
         return PullResult(nbytes, len(sending.messages))
 
-    def _plan_for(self, dst_layout: KVLayout | None):
+    def _plan_for(self, dst_layout: KVLayout | None, dst_rank: int | None = None):
         """The plan for a pull into a decode worker of `dst_layout` (None: one rank there,
-        and here unless this worker is tensor-parallel)."""
+        and here unless this worker is tensor-parallel); `dst_rank`: into that rank only,
+        which reads its own pieces (`rank_plans`)."""
+        if dst_rank is not None:
+            if dst_layout is None or self._rank_plans is None:
+                raise TransferFailed("this worker cannot serve a decode rank's own pieces")
+            return self._rank_plans(dst_layout, dst_rank)
         if dst_layout is None and (self.layout.tp_size == 1 or self._shard_buffers is None):
             return self._plan  # one rank here, or rank paired with rank (vLLM's workers)
         if dst_layout is None:
@@ -370,6 +386,18 @@ class PrefillConnector(Staging, ReadConfirms):
                 self.layout, dst_layout, self._shard_buffers
             )
         return plan
+
+    def refusal(self, dst_layout: KVLayout) -> str | None:
+        """Why a decode worker of `dst_layout`, whose layout matches or maps onto ours,
+        still cannot pull from here (its ranks reading their own pieces from caches of
+        ours that are not as described: `rank_plans`); None when it can."""
+        if self._rank_plans is None or dst_layout.tp_size == self.layout.tp_size:
+            return None
+        try:
+            self._rank_plans(dst_layout, 0)
+        except TransferFailed as e:
+            return str(e)
+        return None
 
     def _messages(
         self, plan, runs, message_regions, request_id: RequestId, peer: bytes, tag: int
@@ -403,8 +431,11 @@ class PrefillConnector(Staging, ReadConfirms):
                 # Its keep may still be on its way: apply the abort when it arrives.
                 remember(self._early_aborts, request_id, token)
                 return
-            self._lease(request_id, token)
-            lease = self._leases.pop(request_id)
+            lease = self._lease(request_id, token)
+            if reason == "released" and lease.readers is not None and lease.readers > 1:
+                lease.readers -= 1  # another decode rank still reads its pieces here
+                return
+            self._leases.pop(request_id)
             remember(self._ended, request_id, None)
             self.stats[reason] += 1
             free_now = not lease.pulling  # else read now: freed when the pull ends

@@ -52,14 +52,17 @@ class ReadConfirms:
         dst_blocks: list[list[int]],
         skip: Sequence[int] = (),
         dst_layout: KVLayout | None = None,
+        dst_rank: int | None = None,
     ) -> PullResult:
         """A decode worker read the request's kept blocks (after the first `skip[g]` of
         group g) into `dst_blocks`: TransferFailed unless they are still kept (the read is
-        then void); else the pull counts, its lease untouched (Release ends it)."""
+        then void); else the pull counts, its lease untouched (Release ends it).
+        `dst_rank`: one rank of a decode worker read its own pieces from this rank; the
+        lease then ends at the last Release of the decode ranks that read here."""
         from hybrid_pd.connector.prefill import _skipped
 
         _exit_if_injected()
-        plan = self._plan_for(dst_layout)
+        plan = self._plan_for(dst_layout, dst_rank)
         with self._lock:
             lease = self._lease(request_id, token)
             blocks = lease.block_ids
@@ -69,7 +72,9 @@ class ReadConfirms:
             raise TransferFailed(f"request {request_id}: {e}") from e
         nbytes = plan.nbytes(runs)
         with self._lock:
-            self._lease(request_id, token)  # still kept: the bytes read are the KV
+            lease = self._lease(request_id, token)  # still kept: the bytes read are the KV
+            if dst_rank is not None and lease.readers is None:
+                lease.readers = plan.readers
             self.stats["pulled"] += 1
             self.stats["read_pulls"] += 1
             self.stats["bytes_sent"] += nbytes

@@ -69,11 +69,24 @@ def rank_kv_config(full: KVCacheConfig, rank_spec: ModelCacheSpec) -> KVCacheCon
 @dataclass(frozen=True)
 class SlotRows:
     """One tensor of a slot: where it starts in the rank's slot, bytes per row, and its
-    rows' segments at TP 1."""
+    rows' segments at TP 1. `lines` > 1: the split dimension is not the first but comes
+    after one that is not split (vLLM's token-major conv state, [kernel - 1, channels]):
+    the tensor is `lines` back-to-back copies of the row layout, each as wide as the
+    rank's rows."""
 
     offset: int
     row_bytes: int
     segments: tuple[Segment, ...]
+    lines: int = 1
+
+    def rank_rows(self, size: int) -> int:
+        """Rows per line that each rank of a `size` group holds (every rank holds as many).
+        Raises TPLayoutError when a segment does not split over `size` ranks."""
+        return sum(len(rank_units(u, size, 0, rep)) * w for u, w, rep in self.segments)
+
+    def rank_bytes(self, size: int) -> int:
+        """Bytes of this tensor that each rank of a `size` group holds."""
+        return self.lines * self.rank_rows(size) * self.row_bytes
 
 
 def slot_rows(full: LayerSpec, rank: LayerSpec, block_size: int) -> tuple[SlotRows, ...]:
@@ -93,12 +106,17 @@ def slot_rows(full: LayerSpec, rank: LayerSpec, block_size: int) -> tuple[SlotRo
     raise TPLayoutError(f"{type(full).__name__} rows are not described for tensor parallelism")
 
 
-def owner_of(unit: int, units: int, size: int, replicate: bool) -> tuple[int, int]:
-    """(the lowest rank of `size` holding `unit`, its index among that rank's units)."""
+def owner_of(
+    unit: int, units: int, size: int, replicate: bool, near: int | None = None
+) -> tuple[int, int]:
+    """(the lowest rank of `size` holding `unit`, or rank `near` where it holds a
+    replicated `unit` too; its index among that rank's units)."""
     if units % size == 0:
         per = units // size
         return unit // per, unit % per
     if replicate and size % units == 0:
+        if near is not None and near * units // size == unit:
+            return near, 0
         return -(-unit * size // units), 0
     raise TPLayoutError(f"{units} units do not split over {size} ranks")
 
@@ -122,29 +140,42 @@ Piece = tuple[int, int, int, int]
 
 @lru_cache(maxsize=1024)
 def tensor_pieces(
-    src: SlotRows, dst: SlotRows, src_size: int, dst_size: int, dst_rank: int
+    src: SlotRows,
+    dst: SlotRows,
+    src_size: int,
+    dst_size: int,
+    dst_rank: int,
+    near: bool = False,
 ) -> tuple[Piece, ...]:
     """Byte pieces that fill rank `dst_rank`'s rows of one slot tensor from the ranks of a
-    `src_size` group (each unit from the lowest source rank holding it), merged."""
-    if src.segments != dst.segments or src.row_bytes != dst.row_bytes:
+    `src_size` group (each unit from the lowest source rank holding it; `near`: a
+    replicated unit from source rank dst_rank * src_size // dst_size where it holds it,
+    so that equal sizes pair rank with rank and a rank reads from few), merged; a tensor
+    of several `lines` repeats them line by line (each side's line as wide as its rank's
+    rows)."""
+    if (src.segments, src.row_bytes, src.lines) != (dst.segments, dst.row_bytes, dst.lines):
         raise TPLayoutError("the two sides describe this slot tensor differently")
+    src_line = src.rank_rows(src_size) * src.row_bytes
+    dst_line = dst.rank_rows(dst_size) * dst.row_bytes
+    prefer = dst_rank * src_size // dst_size if near else None
     pieces: list[list[int]] = []
-    dst_row = 0
-    src_base = [0] * src_size  # rows of earlier segments on each source rank
-    for units, width, replicate in src.segments:
-        for unit in rank_units(units, dst_size, dst_rank, replicate):
-            rank, local = owner_of(unit, units, src_size, replicate)
-            s = src.offset + (src_base[rank] + local * width) * src.row_bytes
-            d = dst.offset + dst_row * dst.row_bytes
-            n = width * src.row_bytes
-            last = pieces[-1] if pieces else None
-            if last and last[0] == rank and last[1] + last[3] == s and last[2] + last[3] == d:
-                last[3] += n
-            else:
-                pieces.append([rank, s, d, n])
-            dst_row += width
-        for rank in range(src_size):
-            src_base[rank] += len(rank_units(units, src_size, rank, replicate)) * width
+    for line in range(src.lines):
+        dst_row = 0
+        src_base = [0] * src_size  # rows of earlier segments on each source rank
+        for units, width, replicate in src.segments:
+            for unit in rank_units(units, dst_size, dst_rank, replicate):
+                rank, local = owner_of(unit, units, src_size, replicate, prefer)
+                s = src.offset + line * src_line + (src_base[rank] + local * width) * src.row_bytes
+                d = dst.offset + line * dst_line + dst_row * dst.row_bytes
+                n = width * src.row_bytes
+                last = pieces[-1] if pieces else None
+                if last and last[0] == rank and last[1] + last[3] == s and last[2] + last[3] == d:
+                    last[3] += n
+                else:
+                    pieces.append([rank, s, d, n])
+                dst_row += width
+            for rank in range(src_size):
+                src_base[rank] += len(rank_units(units, src_size, rank, replicate)) * width
     return tuple(tuple(p) for p in pieces)  # type: ignore[misc]
 
 

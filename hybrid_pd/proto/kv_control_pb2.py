@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n hybrid_pd/proto/kv_control.proto\x12\x0bhybridpd.kv\"=\n\nRowSegment\x12\r\n\x05units\x18\x01 \x01(\x03\x12\r\n\x05width\x18\x02 \x01(\x03\x12\x11\n\treplicate\x18\x03 \x01(\x08\"X\n\x08SlotRows\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x11\n\trow_bytes\x18\x02 \x01(\x03\x12)\n\x08segments\x18\x03 \x03(\x0b\x32\x17.hybridpd.kv.RowSegment\"\x92\x01\n\rGroupGeometry\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x12\n\nslot_bytes\x18\x04 \x01(\x03\x12\x18\n\x10\x62locks_per_state\x18\x05 \x01(\x05\x12#\n\x04rows\x18\x06 \x03(\x0b\x32\x15.hybridpd.kv.SlotRows\"\x96\x01\n\x06Layout\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x17\n\x0fpage_size_bytes\x18\x03 \x01(\x03\x12*\n\x06groups\x18\x04 \x03(\x0b\x32\x1a.hybridpd.kv.GroupGeometry\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\x05\"_\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.hybridpd.kv.Layout\x12\x13\n\x0bucx_address\x18\x03 \x01(\x0c\"\xc2\x01\n\x0eHandshakeReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.hybridpd.kv.Layout\x12\x13\n\x0bucx_address\x18\x05 \x01(\x0c\x12\x16\n\x0escatter_gather\x18\x06 \x01(\x08\x12\x30\n\rremote_memory\x18\x07 \x01(\x0b\x32\x19.hybridpd.kv.RemoteMemory\";\n\x0cRemoteRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0b\n\x03key\x18\x03 \x01(\r\"|\n\x0cRemoteMemory\x12*\n\x07regions\x18\x01 \x03(\x0b\x32\x19.hybridpd.kv.RemoteRegion\x12\r\n\x05rkeys\x18\x02 \x03(\x0c\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x13\n\x0bstart_ticks\x18\x04 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x05 \x01(\t\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xab\x02\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x13\n\x0bucx_address\x18\x04 \x01(\x0c\x12\x0b\n\x03tag\x18\x05 \x01(\x04\x12)\n\ndst_blocks\x18\x06 \x03(\x0b\x32\x15.hybridpd.kv.BlockIds\x12\x13\n\x0bskip_blocks\x18\x07 \x03(\x05\x12\x17\n\x0fmessage_regions\x18\x08 \x03(\r\x12\x13\n\x0bstage_epoch\x18\t \x01(\x04\x12\x11\n\tstage_end\x18\n \x03(\x05\x12\'\n\ndst_layout\x18\x0b \x01(\x0b\x32\x13.hybridpd.kv.Layout\x12\x11\n\tread_done\x18\x0c \x01(\x08\"G\n\tPullReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x10\n\x08messages\x18\x04 \x01(\x05\"<\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\")\n\x0cReleaseReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"S\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x17\n\x0ftransfer_tokens\x18\x03 \x03(\t\"D\n\x0eHeartbeatReply\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\":\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\"\x18\n\nAbortReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"a\n\x0fProgressRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x12\n\nmin_tokens\x18\x03 \x01(\x03\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\"\xc8\x01\n\rProgressReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\x03\x12(\n\tblock_ids\x18\x06 \x03(\x0b\x32\x15.hybridpd.kv.BlockIds\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\x03\x12\x11\n\tengine_id\x18\x08 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t2\x9f\x03\n\tKVControl\x12G\n\tHandshake\x12\x1d.hybridpd.kv.HandshakeRequest\x1a\x1b.hybridpd.kv.HandshakeReply\x12:\n\x06PullKV\x12\x18.hybridpd.kv.PullRequest\x1a\x16.hybridpd.kv.PullReply\x12\x41\n\x07Release\x12\x1b.hybridpd.kv.ReleaseRequest\x1a\x19.hybridpd.kv.ReleaseReply\x12G\n\tHeartbeat\x12\x1d.hybridpd.kv.HeartbeatRequest\x1a\x1b.hybridpd.kv.HeartbeatReply\x12;\n\x05\x41\x62ort\x12\x19.hybridpd.kv.AbortRequest\x1a\x17.hybridpd.kv.AbortReply\x12\x44\n\x08Progress\x12\x1c.hybridpd.kv.ProgressRequest\x1a\x1a.hybridpd.kv.ProgressReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n hybrid_pd/proto/kv_control.proto\x12\x0bhybridpd.kv\"=\n\nRowSegment\x12\r\n\x05units\x18\x01 \x01(\x03\x12\r\n\x05width\x18\x02 \x01(\x03\x12\x11\n\treplicate\x18\x03 \x01(\x08\"g\n\x08SlotRows\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x11\n\trow_bytes\x18\x02 \x01(\x03\x12)\n\x08segments\x18\x03 \x03(\x0b\x32\x17.hybridpd.kv.RowSegment\x12\r\n\x05lines\x18\x04 \x01(\x03\"\x92\x01\n\rGroupGeometry\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x12\n\nslot_bytes\x18\x04 \x01(\x03\x12\x18\n\x10\x62locks_per_state\x18\x05 \x01(\x05\x12#\n\x04rows\x18\x06 \x03(\x0b\x32\x15.hybridpd.kv.SlotRows\"\x96\x01\n\x06Layout\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x17\n\x0fpage_size_bytes\x18\x03 \x01(\x03\x12*\n\x06groups\x18\x04 \x03(\x0b\x32\x1a.hybridpd.kv.GroupGeometry\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\x05\"_\n\x10HandshakeRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.hybridpd.kv.Layout\x12\x13\n\x0bucx_address\x18\x03 \x01(\x0c\"\xc2\x01\n\x0eHandshakeReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.hybridpd.kv.Layout\x12\x13\n\x0bucx_address\x18\x05 \x01(\x0c\x12\x16\n\x0escatter_gather\x18\x06 \x01(\x08\x12\x30\n\rremote_memory\x18\x07 \x01(\x0b\x32\x19.hybridpd.kv.RemoteMemory\";\n\x0cRemoteRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0b\n\x03key\x18\x03 \x01(\r\"|\n\x0cRemoteMemory\x12*\n\x07regions\x18\x01 \x03(\x0b\x32\x19.hybridpd.kv.RemoteRegion\x12\r\n\x05rkeys\x18\x02 \x03(\x0c\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x13\n\x0bstart_ticks\x18\x04 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x05 \x01(\t\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xcf\x02\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\x13\n\x0bucx_address\x18\x04 \x01(\x0c\x12\x0b\n\x03tag\x18\x05 \x01(\x04\x12)\n\ndst_blocks\x18\x06 \x03(\x0b\x32\x15.hybridpd.kv.BlockIds\x12\x13\n\x0bskip_blocks\x18\x07 \x03(\x05\x12\x17\n\x0fmessage_regions\x18\x08 \x03(\r\x12\x13\n\x0bstage_epoch\x18\t \x01(\x04\x12\x11\n\tstage_end\x18\n \x03(\x05\x12\'\n\ndst_layout\x18\x0b \x01(\x0b\x32\x13.hybridpd.kv.Layout\x12\x11\n\tread_done\x18\x0c \x01(\x08\x12\x10\n\x08\x64st_rank\x18\r \x01(\x05\x12\x10\n\x08per_rank\x18\x0e \x01(\x08\"G\n\tPullReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x03\x12\x10\n\x08messages\x18\x04 \x01(\x05\"<\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\")\n\x0cReleaseReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\"S\n\x10HeartbeatRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x17\n\x0ftransfer_tokens\x18\x03 \x03(\t\"D\n\x0eHeartbeatReply\x12\x1b\n\x13unknown_request_ids\x18\x01 \x03(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\":\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\"\x18\n\nAbortReply\x12\n\n\x02ok\x18\x01 \x01(\x08\"a\n\x0fProgressRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0etransfer_token\x18\x02 \x01(\t\x12\x12\n\nmin_tokens\x18\x03 \x01(\x03\x12\x0e\n\x06wait_s\x18\x04 \x01(\x01\"\xc8\x01\n\rProgressReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x17\n\x0f\x63omputed_tokens\x18\x05 \x01(\x03\x12(\n\tblock_ids\x18\x06 \x03(\x0b\x32\x15.hybridpd.kv.BlockIds\x12\x13\n\x0b\x66irst_token\x18\x07 \x01(\x03\x12\x11\n\tengine_id\x18\x08 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\t \x01(\t2\x9f\x03\n\tKVControl\x12G\n\tHandshake\x12\x1d.hybridpd.kv.HandshakeRequest\x1a\x1b.hybridpd.kv.HandshakeReply\x12:\n\x06PullKV\x12\x18.hybridpd.kv.PullRequest\x1a\x16.hybridpd.kv.PullReply\x12\x41\n\x07Release\x12\x1b.hybridpd.kv.ReleaseRequest\x1a\x19.hybridpd.kv.ReleaseReply\x12G\n\tHeartbeat\x12\x1d.hybridpd.kv.HeartbeatRequest\x1a\x1b.hybridpd.kv.HeartbeatReply\x12;\n\x05\x41\x62ort\x12\x19.hybridpd.kv.AbortRequest\x1a\x17.hybridpd.kv.AbortReply\x12\x44\n\x08Progress\x12\x1c.hybridpd.kv.ProgressRequest\x1a\x1a.hybridpd.kv.ProgressReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,41 +34,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROWSEGMENT']._serialized_start=49
   _globals['_ROWSEGMENT']._serialized_end=110
   _globals['_SLOTROWS']._serialized_start=112
-  _globals['_SLOTROWS']._serialized_end=200
-  _globals['_GROUPGEOMETRY']._serialized_start=203
-  _globals['_GROUPGEOMETRY']._serialized_end=349
-  _globals['_LAYOUT']._serialized_start=352
-  _globals['_LAYOUT']._serialized_end=502
-  _globals['_HANDSHAKEREQUEST']._serialized_start=504
-  _globals['_HANDSHAKEREQUEST']._serialized_end=599
-  _globals['_HANDSHAKEREPLY']._serialized_start=602
-  _globals['_HANDSHAKEREPLY']._serialized_end=796
-  _globals['_REMOTEREGION']._serialized_start=798
-  _globals['_REMOTEREGION']._serialized_end=857
-  _globals['_REMOTEMEMORY']._serialized_start=859
-  _globals['_REMOTEMEMORY']._serialized_end=983
-  _globals['_BLOCKIDS']._serialized_start=985
-  _globals['_BLOCKIDS']._serialized_end=1008
-  _globals['_PULLREQUEST']._serialized_start=1011
-  _globals['_PULLREQUEST']._serialized_end=1310
-  _globals['_PULLREPLY']._serialized_start=1312
-  _globals['_PULLREPLY']._serialized_end=1383
-  _globals['_RELEASEREQUEST']._serialized_start=1385
-  _globals['_RELEASEREQUEST']._serialized_end=1445
-  _globals['_RELEASEREPLY']._serialized_start=1447
-  _globals['_RELEASEREPLY']._serialized_end=1488
-  _globals['_HEARTBEATREQUEST']._serialized_start=1490
-  _globals['_HEARTBEATREQUEST']._serialized_end=1573
-  _globals['_HEARTBEATREPLY']._serialized_start=1575
-  _globals['_HEARTBEATREPLY']._serialized_end=1643
-  _globals['_ABORTREQUEST']._serialized_start=1645
-  _globals['_ABORTREQUEST']._serialized_end=1703
-  _globals['_ABORTREPLY']._serialized_start=1705
-  _globals['_ABORTREPLY']._serialized_end=1729
-  _globals['_PROGRESSREQUEST']._serialized_start=1731
-  _globals['_PROGRESSREQUEST']._serialized_end=1828
-  _globals['_PROGRESSREPLY']._serialized_start=1831
-  _globals['_PROGRESSREPLY']._serialized_end=2031
-  _globals['_KVCONTROL']._serialized_start=2034
-  _globals['_KVCONTROL']._serialized_end=2449
+  _globals['_SLOTROWS']._serialized_end=215
+  _globals['_GROUPGEOMETRY']._serialized_start=218
+  _globals['_GROUPGEOMETRY']._serialized_end=364
+  _globals['_LAYOUT']._serialized_start=367
+  _globals['_LAYOUT']._serialized_end=517
+  _globals['_HANDSHAKEREQUEST']._serialized_start=519
+  _globals['_HANDSHAKEREQUEST']._serialized_end=614
+  _globals['_HANDSHAKEREPLY']._serialized_start=617
+  _globals['_HANDSHAKEREPLY']._serialized_end=811
+  _globals['_REMOTEREGION']._serialized_start=813
+  _globals['_REMOTEREGION']._serialized_end=872
+  _globals['_REMOTEMEMORY']._serialized_start=874
+  _globals['_REMOTEMEMORY']._serialized_end=998
+  _globals['_BLOCKIDS']._serialized_start=1000
+  _globals['_BLOCKIDS']._serialized_end=1023
+  _globals['_PULLREQUEST']._serialized_start=1026
+  _globals['_PULLREQUEST']._serialized_end=1361
+  _globals['_PULLREPLY']._serialized_start=1363
+  _globals['_PULLREPLY']._serialized_end=1434
+  _globals['_RELEASEREQUEST']._serialized_start=1436
+  _globals['_RELEASEREQUEST']._serialized_end=1496
+  _globals['_RELEASEREPLY']._serialized_start=1498
+  _globals['_RELEASEREPLY']._serialized_end=1539
+  _globals['_HEARTBEATREQUEST']._serialized_start=1541
+  _globals['_HEARTBEATREQUEST']._serialized_end=1624
+  _globals['_HEARTBEATREPLY']._serialized_start=1626
+  _globals['_HEARTBEATREPLY']._serialized_end=1694
+  _globals['_ABORTREQUEST']._serialized_start=1696
+  _globals['_ABORTREQUEST']._serialized_end=1754
+  _globals['_ABORTREPLY']._serialized_start=1756
+  _globals['_ABORTREPLY']._serialized_end=1780
+  _globals['_PROGRESSREQUEST']._serialized_start=1782
+  _globals['_PROGRESSREQUEST']._serialized_end=1879
+  _globals['_PROGRESSREPLY']._serialized_start=1882
+  _globals['_PROGRESSREPLY']._serialized_end=2082
+  _globals['_KVCONTROL']._serialized_start=2085
+  _globals['_KVCONTROL']._serialized_end=2500
 # @@protoc_insertion_point(module_scope)

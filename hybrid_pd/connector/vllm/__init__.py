@@ -33,6 +33,9 @@ arrives before the prefill worker has kept the request's blocks waits for them).
     layout.py     vLLM's KV cache config as our KVLayout
     clip.py       which blocks decode needs (BlockClipper)
     plan.py       the transfer plan over vLLM's per-layer caches (VllmPlan)
+    tp_rows.py    which rows of vLLM's caches a tensor-parallel rank holds
+    rank_plan.py  one decode rank's pieces at one prefill rank (servers of other TP sizes)
+    tp_sources.py which peer ranks a rank moves KV with, and the plans for them
     pinning.py    the connector's threads off the compute cores
     metadata.py   scheduler -> worker metadata, the handshake
     metrics.py    counters, vLLM stats and Prometheus

@@ -144,6 +144,7 @@ class HybridPDConnector(KVConnectorBase_V1, SupportsHMA):
                 is_consumer=self.is_consumer,
                 plan=plan,
                 cpus=cpus,
+                base_peers=self.options.peers,
             )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:

@@ -6,6 +6,7 @@ import os
 from typing import TYPE_CHECKING
 
 from hybrid_pd.connector.layout import VLLM_PREFIX, GroupGeometry, KVLayout
+from hybrid_pd.connector.vllm.tp_rows import vllm_group_rows
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -16,6 +17,7 @@ def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVLayo
     """What two vLLM workers must share to exchange blocks (both halves derive it alike)."""
     groups = kv_cache_config.transfer_groups
     model = vllm_config.model_config
+    rows = vllm_group_rows(vllm_config, kv_cache_config)
     return KVLayout(
         block_size=groups[0].kv_cache_spec.block_size,
         page_size_bytes=groups[0].kv_cache_spec.page_size_bytes,
@@ -26,12 +28,13 @@ def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVLayo
                 num_layers=len(g.layer_names),
                 slot_bytes=g.kv_cache_spec.page_size_bytes,
                 blocks_per_state=1,
+                rows=r,
             )
-            for g in groups
+            for g, r in zip(groups, rows, strict=True)
         ),
         model=f"{VLLM_PREFIX}{os.path.basename(str(model.model).rstrip('/'))}:"
         f"{','.join(model.hf_config.architectures or [])}",
-        # a rank's caches (vLLM's specs are per rank): servers pair rank to rank, so
-        # their sizes must match (the slot rows that would map others are not described)
+        # a rank's caches (vLLM's specs are per rank): equal sizes pair rank to rank,
+        # others map each decode rank's rows to the prefill ranks holding them (`rows`)
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
     )

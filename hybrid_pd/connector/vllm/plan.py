@@ -34,6 +34,11 @@ class _View:
         self.block_bytes = per_block.numel() * per_block.element_size()
         self.stride_bytes = t.stride(0) * t.element_size()
 
+    @property
+    def span(self) -> int:
+        """Bytes from the first block's start to the last block's end."""
+        return (self.t.shape[0] - 1) * self.stride_bytes + self.block_bytes
+
     def regions(self, first: int, n: int) -> list[torch.Tensor]:
         if self.runs_contiguous:
             return [self.t[first : first + n]]
@@ -109,8 +114,7 @@ class VllmPlan:
             for v in views:
                 if v.t.device.type != "cpu":
                     return None
-                span = (v.t.shape[0] - 1) * v.stride_bytes + v.block_bytes
-                out.append((v.t.data_ptr(), span))
+                out.append((v.t.data_ptr(), v.span))
         return out
 
     def read_pieces(self, runs: Sequence[Run]) -> tuple[np.ndarray, np.ndarray, list]:

@@ -123,7 +123,9 @@ class SchedulerHalf:
         if raw.get("prompt_digest") != prompt_digest(prompt):
             return "kv_transfer_params were made for another prompt (its digest differs)"
         if params.fingerprint != self.layout.fingerprint:
-            return self._layout_difference(params)
+            reason = self._layout_difference(params)
+            if reason:  # else a server of another TP size whose caches map onto ours
+                return reason
         if request.use_structured_output:
             # vLLM's grammar for the request starts after the prompt, and the prefill's
             # token is prompt here: it would be constrained as if it came first
@@ -142,7 +144,9 @@ class SchedulerHalf:
     def _layout_difference(self, params: KVTransferParams) -> str:
         """Why the prefill server's layout differs: its KVControl Handshake names the field
         (asked once per peer and fingerprint, only of configured peers; the scheduler waits
-        for it at most `_HANDSHAKE_TIMEOUT_S`, on the first such request only)."""
+        for it at most `_HANDSHAKE_TIMEOUT_S`, on the first such request only). "": it
+        differs only as a server of another tensor-parallel size whose caches map onto
+        this one's (`rank_plan`): the worker ranks pull their pieces."""
         key = (params.control_address, params.fingerprint)
         known = self._differences.get(key)
         if known is not None:
@@ -167,7 +171,10 @@ class SchedulerHalf:
                     timeout=_HANDSHAKE_TIMEOUT_S,
                     metadata=call_metadata(self.secret),
                 )
-                reason = self.layout.difference(layout_from_pb(reply.layout)) or reason
+                peer = layout_from_pb(reply.layout)
+                diff = self.layout.difference(peer)
+                mapped = diff is None and peer.tp_size != self.layout.tp_size
+                reason = "" if mapped and peer.fingerprint == params.fingerprint else diff or reason
             except grpc.RpcError as e:
                 reason += f" (its layout could not be read: {e.code().name})"
             finally:

@@ -22,6 +22,7 @@ from hybrid_pd.connector.vllm.metrics import COUNTERS
 from hybrid_pd.connector.vllm.options import ConnectorOptions, rank_address
 from hybrid_pd.connector.vllm.pinning import unpinned
 from hybrid_pd.connector.vllm.plan import VllmPlan
+from hybrid_pd.connector.vllm.tp_sources import RankSources
 from hybrid_pd.kvcache.ids import EngineId, RequestId
 
 logger = logging.getLogger(__name__)
@@ -49,9 +50,12 @@ class WorkerHalf:
         plan: VllmPlan,
         cpus: set[int] | None,
         rank: int = 0,
+        base_peers: tuple[str, ...] = (),
     ) -> None:
         """`rank`: this process's tensor-parallel rank; it moves its own shard with the
-        peer server's rank of the same number (`options` are already this rank's)."""
+        peer server's rank of the same number, or, the sizes differing, with the peer
+        ranks holding its pieces (`tp_sources`). `options` are already this rank's;
+        `base_peers`: the configured peers' rank-0 addresses."""
         from hybrid_pd.connector.decode import DecodeConnector
         from hybrid_pd.connector.prefill import PrefillConnector
         from hybrid_pd.connector.setup import add_kv_control, open_server, start_transport
@@ -70,6 +74,7 @@ class WorkerHalf:
         self._loads_running = 0
         #: Timeline: loads running, this server's request id -> the prefill's.
         self._loading: dict[str, str] = {}
+        self.sources = RankSources(layout, rank, plan.views)
         host = options.control_host
         self.transport = start_transport(host)
         self.prefill = self.decode = self.server = None
@@ -87,6 +92,7 @@ class WorkerHalf:
                 # The engine core hands params out before this process keeps the blocks (at
                 # its next step): a pull that comes first waits this long for the keep.
                 keep_wait_s=options.keep_wait_s,
+                rank_plans=self.sources.prefill_plan,
             )
             add_kv_control(self.server, engine_id, layout, self.transport, self.prefill)
             self.server.start()
@@ -99,32 +105,35 @@ class WorkerHalf:
                 plan=plan,
                 secret=secret,
                 timeout_s=options.timeout_s,
-                peers=options.peers,
+                peers=tuple(dict.fromkeys(options.peers + base_peers)),
                 # pack a pull's runs of blocks into a few scatter-gather UCX messages
                 scatter_gather=options.scatter_gather,
+                rank_plans=self.sources.decode_plan,
             )
+            self.sources.decode = self.decode
             self.decode.notify = self._ended.set
-            if options.peers:  # shake hands now: the first request does not pay for it
+            bases = base_peers or options.peers
+            if bases:  # shake hands now: the first request does not pay for it
                 threading.Thread(
-                    target=self._dial, args=(options.peers,), name="kv-dial", daemon=True
+                    target=self._dial, args=(bases,), name="kv-dial", daemon=True
                 ).start()
 
-    def _dial(self, peers: tuple[str, ...]) -> None:
-        """Handshake with each configured prefill server, retrying while it starts (at
-        most `_DIAL_TRIES` times, `_DIAL_PERIOD_S` apart); one that never answers is
-        dialed by its first pull, as without this."""
-        for address in peers:
+    def _dial(self, bases: tuple[str, ...]) -> None:
+        """Handshake with each configured prefill server's rank 0 and the ranks this rank
+        pulls from, retrying while it starts (at most `_DIAL_TRIES` times,
+        `_DIAL_PERIOD_S` apart); one that never answers is dialed by its first pull."""
+        for base in bases:
             for _ in range(_DIAL_TRIES):
                 try:
-                    self.decode.dial(address)
-                    logger.info("hybrid-pd connector: shook hands with %s", address)
+                    found = self.sources.dial(base)
+                    logger.info("hybrid-pd connector: shook hands with %s", ", ".join(found))
                     break
                 except TransferFailed as e:
                     if "refused the handshake" in str(e):
                         logger.warning("hybrid-pd connector: %s", e)
                         break
                 except Exception as e:  # closed meanwhile
-                    logger.debug("dialing %s stopped: %s", address, e)
+                    logger.debug("dialing %s stopped: %s", base, e)
                     return
                 if self._closing.wait(_DIAL_PERIOD_S):
                     return
@@ -153,17 +162,20 @@ class WorkerHalf:
             if timeline.enabled():
                 timeline.stamp(ld.params.request_id, "load_applied")
                 self._loading[ld.request_id] = ld.params.request_id
-            self.decode.start_load_kv(ld.request_id, self._ranked(ld.params), ld.block_ids)
+            self.decode.start_load_kv(
+                ld.request_id, ld.params, ld.block_ids, sources=self.sources.sources
+            )
             self._loads_running += 1
-        for p in meta.drops:
+        for params in meta.drops:
             if self.decode is None:
                 continue
-            p = self._ranked(p)
-            try:  # a known peer, or one the params vouch for: it frees the blocks now
-                self.decode.admission.admit(p)
-            except TransferFailed:
-                continue  # else its lease expires on its own
-            self.decode.abort_later(p)
+            # the prefill ranks this rank reads from, where their server's size is known
+            for p in self.sources.known_sources(params) or [self._ranked(params)]:
+                try:  # a known peer, or one the params vouch for: it frees the blocks now
+                    self.decode.admission.admit(p)
+                except TransferFailed:
+                    continue  # else its lease expires on its own
+                self.decode.abort_later(p)
 
     def _ranked(self, params):
         """The params as this rank's pull needs them: the prefill server's same rank."""
