@@ -76,11 +76,11 @@ CASES = {
 @pytest.mark.parametrize(("src_size", "dst_size"), [(1, 2), (2, 1), (2, 2), (1, 4), (4, 2)])
 def test_decode_ranks_hold_their_shards_after_reading(case, src_size, dst_size):
     kinds = CASES[case]
-    for kind in kinds:
-        try:
-            kind.rows(max(src_size, dst_size))
-        except TPLayoutError:
-            pytest.skip(f"{case} does not split over {max(src_size, dst_size)} ranks")
+    if case == "gdn" and max(src_size, dst_size) == 4:
+        # its 2 key heads do not split over 4 ranks: refused by name, never mapped
+        with pytest.raises(TPLayoutError, match="4"):
+            kinds[0].rows(4)
+        return
     torch.manual_seed(0)
     fulls = [[k.full() for _ in range(LAYERS)] for k in kinds]
     src = [rank_caches(kinds, fulls, src_size, p) for p in range(src_size)]
