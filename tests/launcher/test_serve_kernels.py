@@ -34,7 +34,7 @@ def started(monkeypatch):
         ({"device": "cpu"}, True),
         ({"device": "cuda"}, False),
         ({"engine": "vllm", "model": "/a/checkpoint"}, False),
-        ({"address": "10.0.0.1:6379", "secret": "s" * 32}, False),
+        ({"address": "127.0.0.1:6379", "secret": "s" * 32}, False),
     ],
 )
 def test_serve_builds_ahead_only_for_workers_on_this_machines_cpu(started, settings, builds):
