@@ -104,6 +104,25 @@ def read_state_rows(layer_name: str, batch: ForwardBatch, rows: StateRows) -> li
     return states
 
 
+def state_rows_in_place(
+    layer_name: str, batch: ForwardBatch, rows: StateRows
+) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+    """(the pool's own [num_blocks, *shape] views of this layer's state tensors, the rows'
+    block ids [S] int64) for kernels that update each row's state where it lies, fresh rows
+    zeroed there first; None where a state spans several blocks (then `read_state_rows` /
+    `write_state_rows`). Updating in place reads and writes each state once, where a
+    gathered copy moves it three times (gather, update, scatter)."""
+    views = batch.kv.state_views_in_place(layer_name)
+    if views is None:
+        return None
+    ids = rows.blocks[:, 0]
+    if rows.any_fresh:
+        fresh = ids[rows.fresh]
+        for view in views:
+            view.index_fill_(0, fresh, 0)
+    return views, ids
+
+
 def write_state_rows(
     layer_name: str, batch: ForwardBatch, rows: StateRows, states: list[torch.Tensor]
 ) -> None:

@@ -10,8 +10,11 @@ Consecutive block ids are adjacent in memory, so a run of block ids is one regio
 transfers. A layer's view strides over whole pages: `view[b]` is that layer's part of
 block b, for any group that owns the layer.
 
-Held state rows: a decode step gathers each state layer's rows (one per sequence) into
-one tensor, updates it and scatters it back. With held rows on (`hold_rows_for`, which
+Decode steps on the CPU update each state layer's rows where they lie
+(`state_views_in_place`: kernels indexed by block id). Elsewhere (another device, a dtype
+the kernels do not take, a state spanning several blocks) held state rows apply: a decode
+step gathers each state layer's rows (one per sequence) into one tensor, updates it and
+scatters it back. With held rows on (`hold_rows_for`, which
 the engine calls), `scatter_states` keeps the rows instead of writing them (up to a memory
 budget), and the next `gather_states` of the same blocks in the same order gets them back:
 a steady decode batch neither gathers nor scatters. Held rows are the only current copy of
@@ -137,6 +140,10 @@ class KVPool:
         if held_rows_bytes is None:
             held_rows_bytes = min(HELD_ROWS_MAX_BYTES, self.buffer.numel() // 4)
         self.held_rows_bytes = held_rows_bytes
+        #: Whether decode steps may update state rows in their pages (`state_views_in_place`);
+        #: False sends every step through gathered rows (and held rows, when on).
+        self.rows_in_place = True
+        self.in_place_updates = 0  # layer steps that took the pages' own rows
         self._held: dict[str, _HeldRows] = {}
         self._held_total = 0
         self._holding = False  # see hold_rows_for
@@ -186,6 +193,17 @@ class KVPool:
         if views is None:
             views = self._state_views[layer_name] = self._make_state_views(layer_name)
         return views
+
+    def state_views_in_place(self, layer_name: str) -> list[torch.Tensor] | None:
+        """`state_views` for a step that updates rows where they lie (kernels indexed by
+        block id), after any rows held for the layer are written back; None where the
+        layer's state spans several blocks (then `gather_states` / `scatter_states`)."""
+        if not self.rows_in_place or self.config.group_of(layer_name).blocks_per_state != 1:
+            return None
+        if layer_name in self._held:
+            self._write_back(layer_name)
+        self.in_place_updates += 1
+        return self.state_views(layer_name)
 
     def _make_state_views(self, layer_name: str) -> list[torch.Tensor]:
         spec = self.config.group_of(layer_name).spec

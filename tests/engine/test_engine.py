@@ -235,15 +235,17 @@ def _state_blocks(engine: Engine, rid: str) -> list[int]:
     return [b for g in groups for b in ids[g]]
 
 
-def test_held_state_rows_stay_exact_through_finishes_and_preemption(loaded, reference):
-    """Decode rows' states are held between steps (KVPool) unless the budget is 0: requests
-    finishing at different steps, preemption in a small pool and prefix snapshots give the
-    reference's tokens either way, and the held rows were used."""
+def test_state_rows_in_place_held_or_gathered_stay_exact(loaded, reference):
+    """Decode steps update state rows in their pages (the CPU kernels, by block id); without
+    that, rows are held between steps (KVPool) unless the budget is 0. Requests finishing at
+    different steps, preemption in a small pool and prefix snapshots give the reference's
+    tokens in all three ways, and each way was the one taken."""
     ps = prompts(6, 60, seed=8)
     lengths = [5, 32, 12, 32, 20, 9]
     runs = {}
-    for held in (None, 0):
+    for mode, held in (("in_place", None), ("held", None), ("gathered", 0)):
         engine = make_engine(loaded, kv_memory_bytes=3 * 2**18, held_state_rows_bytes=held)
+        engine.pool.rows_in_place = mode == "in_place"
         rids = [
             engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True))
             for p, n in zip(ps, lengths, strict=True)
@@ -255,18 +257,22 @@ def test_held_state_rows_stay_exact_through_finishes_and_preemption(loaded, refe
                 if o.finished:
                     got[o.request_id] = o.token_ids
         preempted = sum(r.num_preemptions for r in reqs)
-        runs[held] = ([got[r] for r in rids], engine.pool.held_hits, preempted)
+        pool = engine.pool
+        runs[mode] = ([got[r] for r in rids], pool.held_hits, pool.in_place_updates, preempted)
         assert_clean(engine)
-    (tokens, hits, preempted), (plain, plain_hits, _) = runs[None], runs[0]
-    assert tokens == plain == [reference(p, n) for p, n in zip(ps, lengths, strict=True)]
-    assert hits > 50 and plain_hits == 0
-    assert preempted, "the pool was meant to be too small for every request at once"
+    want = [reference(p, n) for p, n in zip(ps, lengths, strict=True)]
+    assert [run[0] for run in runs.values()] == [want] * 3
+    assert runs["in_place"][1] == 0 and runs["in_place"][2] > 50
+    assert runs["held"][1] > 50 and runs["held"][2] == 0
+    assert runs["gathered"][1] == runs["gathered"][2] == 0
+    assert all(run[3] for run in runs.values()), "the pool was meant to be too small"
 
 
 def test_freed_state_blocks_reach_their_new_owner_fresh(loaded, reference):
     """A request that takes over the state blocks of one that just finished decodes from its
     own state, not the rows the pool held for the blocks' previous owner."""
     engine = make_engine(loaded, enable_prefix_caching=False)
+    engine.pool.rows_in_place = False  # held rows are what this test is about
     first, second = prompts(2, 30, seed=9)
     a = engine.add_request(first, SamplingParams(max_tokens=6, ignore_eos=True))
     engine.step()
@@ -291,6 +297,7 @@ def test_aborts_and_failures_outside_a_step_write_held_rows_and_free_every_block
     block is freed, and the requests left keep the reference's tokens."""
     kept, aborted, failed = prompts(3, 30, seed=10)
     engine = make_engine(loaded)
+    engine.pool.rows_in_place = False  # held rows are what this test is about
     keep = engine.add_request(kept, SamplingParams(max_tokens=8, ignore_eos=True))
     drop = engine.add_request(aborted, SamplingParams(max_tokens=20, ignore_eos=True))
     for _ in range(3):

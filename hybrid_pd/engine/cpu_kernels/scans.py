@@ -43,6 +43,23 @@ def _gdn_args(q, k, v, g, beta) -> tuple[int, ...]:
     )  # fmt: skip
 
 
+def state_rows(rows: torch.Tensor | None, seqs: int, state: torch.Tensor) -> int | None:
+    """The pointer a decode-step kernel takes for `rows`: None (NULL) for states stacked one
+    per sequence; else `rows` [S] int64 on the CPU, contiguous, each sequence's index in
+    `state`'s first dimension (a paged pool's view: its block id), all in range (ValueError
+    otherwise: a bad index would write outside the pool). The indices must differ (one
+    state per sequence, as the engine's rows are): a repeated one is updated twice."""
+    if rows is None:
+        return None
+    if rows.dtype is not torch.int64 or rows.device.type != "cpu" or rows.dim() != 1:
+        raise ValueError("state rows must be a 1-D int64 CPU tensor")
+    if rows.numel() != seqs or not rows.is_contiguous():
+        raise ValueError(f"state rows: {seqs} contiguous indices expected")
+    if seqs and (int(rows.min()) < 0 or int(rows.max()) >= state.shape[0]):
+        raise ValueError(f"state rows out of range for {state.shape[0]} states")
+    return rows.data_ptr()
+
+
 def gdn_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -82,25 +99,31 @@ def gdn_step(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One decode token for each of S sequences, in C; None where the kernel does not
     apply. q/k [S, Hk, dk] (normalised and scaled), v [S, Hv, dv], g/beta [S, Hv] (the same
     strides), float32 on the CPU; `state` [S, Hv, dk, dv], each sequence's block contiguous
-    (sequences may lie apart, as gathered rows do), updated in place. Returns o [S, Hv, dv]:
-    `gdn_recurrent`'s arithmetic for one token, so the same bits as in a prompt."""
+    (sequences may lie apart, as gathered rows do), updated in place; with `rows`
+    (`state_rows`), `state` is a pool's view [blocks, Hv, dk, dv] and sequence s's state is
+    `state[rows[s]]`, updated where it lies. Returns o [S, Hv, dv]: `gdn_recurrent`'s
+    arithmetic for one token, so the same bits as in a prompt."""
     if not _gdn_operands(q, k, v, g, beta, state):
         return None
     seqs, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
-    if state.shape != (seqs, hv, dk, dv) or state.stride()[1:] != (dk * dv, dv, 1):
+    if state.shape[1:] != (hv, dk, dv) or state.stride()[1:] != (dk * dv, dv, 1):
+        return None
+    if rows is None and state.shape[0] != seqs:
         return None
     lib = library()
     if lib is None:
         return None
+    at = state_rows(rows, seqs, state)
     out = q.new_empty(seqs, hv, dv)
     code = lib.gdn_step(
         seqs, hk, hv, dk, dv, *_gdn_args(q, k, v, g, beta), state.data_ptr(), state.stride(0),
-        out.data_ptr(), split_threads(seqs, seqs * hv * dk * dv),
+        at, out.data_ptr(), split_threads(seqs, seqs * hv * dk * dv),
     )  # fmt: skip
     check_code("gdn_step", code)
     return out
@@ -127,26 +150,31 @@ def ssd_step(
     b: torch.Tensor,
     c: torch.Tensor,
     state: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One decode step of Mamba2's SSD for S sequences, in C, one pass over each state; None
     where the kernel does not apply. x [S, H, P], dt [S, H], a_coef [H], b/c [S, G, N] (the
     same strides; head h reads group h // (H / G)), state [S, H, P, N] with its last dim
     contiguous (rows gathered from the pool may be strided), all float32 on the CPU.
-    `state` is updated in place. Returns y [S, H, P] (no D term): `_ssd_step`'s values, the
-    sum over N in another order."""
+    `state` is updated in place; with `rows` (`state_rows`) it is a pool's view [blocks, H,
+    P, N] and sequence s's state is `state[rows[s]]`, updated where it lies. Returns y
+    [S, H, P] (no D term): `_ssd_step`'s values, the sum over N in another order."""
     if not _ssd_operands(x, dt, a_coef, b, c, state) or state.stride(-1) != 1:
         return None
     seqs, heads, hd = x.shape
-    if state.shape != (seqs, heads, hd, b.shape[2]):
+    if state.dim() != 4 or state.shape[1:] != (heads, hd, b.shape[2]):
+        return None
+    if rows is None and state.shape[0] != seqs:
         return None
     groups, ns = b.shape[1], b.shape[2]
     lib = library()
     if lib is None:
         return None
+    at = state_rows(rows, seqs, state)
     y = x.new_empty(seqs, heads, hd)
     code = lib.ssd_step(
         seqs, heads, hd, ns, groups,
-        state.data_ptr(), *state.stride()[:3], x.data_ptr(), *x.stride(),
+        state.data_ptr(), *state.stride()[:3], at, x.data_ptr(), *x.stride(),
         dt.data_ptr(), *dt.stride(), a_coef.data_ptr(), b.data_ptr(), c.data_ptr(),
         *b.stride()[:2], y.data_ptr(), split_threads(seqs, seqs * heads * hd * ns),
     )  # fmt: skip
@@ -227,29 +255,40 @@ def conv_silu(
 
 
 def conv_step_silu(
-    state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    state: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """One new token of each of S sequences through a depthwise causal convolution then
     SiLU, in C, with `conv_silu`'s arithmetic per output (a token's output is the same bits
     in a prompt and in a decode step); None where the kernel does not apply. state [S, C,
     K - 1] float32 (the latest inputs, oldest first; sequences a stride apart, the rest
-    contiguous) is shifted in place to take x [S, C] (rows a stride apart); weight [C, K]
-    contiguous (conv1d's); bias [C] or None. Returns [S, C]."""
+    contiguous) is shifted in place to take x [S, C] (rows a stride apart); with `rows`
+    (`state_rows`) it is a pool's view [blocks, C, K - 1] and sequence s's state is
+    `state[rows[s]]`, shifted where it lies; weight [C, K] contiguous (conv1d's); bias [C]
+    or None. Returns [S, C]."""
     if not all(is_f32(t) for t in (state, x, weight)) or state.dim() != 3 or x.dim() != 2:
         return None
-    seqs, channels, kept = state.shape
+    channels, kept = state.shape[1], state.shape[2]
+    seqs = x.shape[0]
     if weight.shape != (channels, kept + 1) or not weight.is_contiguous():
         return None
     if x.shape != (seqs, channels) or x.stride(1) != 1 or not seqs:
         return None
-    if state.stride(2) != 1 or state.stride(1) != kept:
+    if (rows is None and state.shape[0] != seqs) or state.stride(2) != 1:
+        return None
+    if state.stride(1) != kept:
         return None
     lib = library_if(vector_or_none(bias, channels, torch.float32))
     if lib is None:
         return None
+    at = state_rows(rows, seqs, state)
     out = x.new_empty(seqs, channels)
     lib.conv_step_silu_f32(
-        seqs, channels, kept + 1, state.data_ptr(), state.stride(0), x.data_ptr(), x.stride(0),
+        seqs, channels, kept + 1, state.data_ptr(), state.stride(0), at, x.data_ptr(),
+        x.stride(0),
         weight.data_ptr(), ptr(bias), out.data_ptr(),
         split_threads(seqs, seqs * channels * (kept + 1), ROWS_SPLIT_MIN),
     )  # fmt: skip

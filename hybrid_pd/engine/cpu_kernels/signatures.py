@@ -14,10 +14,11 @@ def declare(lib: ctypes.CDLL) -> None:
     # scans.c
     lib.gdn_recurrent.argtypes = [i] * 5 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, p, i]
     lib.gdn_recurrent.restype = i
-    lib.gdn_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, long_, p]
+    lib.gdn_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 3 + [p, p, long_, long_, p, long_, p, p]
     lib.gdn_step.argtypes += [i]
     lib.gdn_step.restype = i
-    lib.ssd_step.argtypes = [i] * 5 + [p, *[long_] * 3] * 2 + [p, long_, long_, p, p, p]
+    lib.ssd_step.argtypes = [i] * 5 + [p, *[long_] * 3, p, p, *[long_] * 3]
+    lib.ssd_step.argtypes += [p, long_, long_, p, p, p]
     lib.ssd_step.argtypes += [long_, long_, p, i]
     lib.ssd_step.restype = i
     lib.ssd_scan.argtypes = [i, p, *[i] * 4, p, p, *[long_] * 3, p, long_, long_, p, p, p]
@@ -25,7 +26,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.ssd_scan.restype = i
     lib.conv_silu_f32.argtypes = [long_, long_, i, p, long_, p, p, p, p, i]
     lib.conv_silu_f32.restype = None
-    lib.conv_step_silu_f32.argtypes = [long_, long_, i, p, long_, p, long_, p, p, p, i]
+    lib.conv_step_silu_f32.argtypes = [long_, long_, i, p, long_, p, p, long_, p, p, p, i]
     lib.conv_step_silu_f32.restype = None
     # norms.c
     for name in ("norm_gate_f32", "norm_gate_bf16"):

@@ -32,6 +32,7 @@ from hybrid_pd.engine.paged import (
     read_state,
     read_state_rows,
     split_state_seqs,
+    state_rows_in_place,
     vec_times_rows,
     write_state,
     write_state_rows,
@@ -219,8 +220,12 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(y)
 
     def _step_rows(self, batch: ForwardBatch, rows: StateRows, qkv, g, beta) -> torch.Tensor:
-        """One token for each of S sequences: conv and delta-rule steps on stacked states,
-        gathered from and scattered back to the pool once."""
+        """One token for each of S sequences: conv and delta-rule steps on the pool's state
+        rows where they lie (C kernels), else on stacked states, gathered from and scattered
+        back to the pool once."""
+        out = self._step_in_place(batch, rows, qkv, g, beta)
+        if out is not None:
+            return out
         conv, state = read_state_rows(self.layer_name, batch, rows)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
         mixed = self._conv_step_kernel(conv, qkv, weight)
@@ -240,6 +245,29 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
             out, state = delta_rule_rows(q, k, v, g, beta, state)
         write_state_rows(self.layer_name, batch, rows, [conv, state])
+        return out
+
+    def _step_in_place(self, batch, rows: StateRows, qkv, g, beta) -> torch.Tensor | None:
+        """`_step_rows` by the C kernels on each row's float32 state in its pool page (the
+        same arithmetic as on stacked rows); None, the states untouched, where they do not
+        apply."""
+        paged = state_rows_in_place(self.layer_name, batch, rows) if self.act is F.silu else None
+        if paged is None:
+            return None
+        (conv, state), ids = paged
+        if state.dtype is not torch.float32:
+            return None
+        weight = self.conv1d.weight[:, 0, :].float()
+        mixed = cpu_kernels.conv_step_silu(conv, qkv.float(), weight, None, ids)
+        if mixed is None:
+            return None
+        q, k, v = self._qkv(mixed)
+        out = cpu_kernels.gdn_step(q, k, v, g, beta, state, ids)
+        if out is None:  # the conv states took the token: the rule on copies of the rows
+            rep = self.v_heads // self.k_heads
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+            out, own = delta_rule_rows(q, k, v, g, beta, state.index_select(0, ids))
+            state.index_copy_(0, ids, own)
         return out
 
     def _qkv(self, mixed: torch.Tensor):

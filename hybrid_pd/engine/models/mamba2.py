@@ -46,6 +46,7 @@ from hybrid_pd.engine.paged import (
     read_state_rows,
     split_state_seqs,
     state_rounds,
+    state_rows_in_place,
     vec_times_rows,
     write_state,
     write_state_rows,
@@ -347,7 +348,11 @@ class Mamba2Mixer(nn.Module):
 
     def _step_rows(self, batch, rows: StateRows, xbc, dt, a_coef) -> torch.Tensor:
         """One token for each of S sequences (xbc [S, C], dt [S, H]): conv and SSD steps on
-        stacked states, gathered from and scattered back to the pool once."""
+        the pool's state rows where they lie (C kernels), else on stacked states, gathered
+        from and scattered back to the pool once."""
+        y = self._step_in_place(batch, rows, xbc, dt, a_coef)
+        if y is not None:
+            return y
         conv_state, ssm_state = read_state_rows(self.name, batch, rows)
         x, b, c = self._split_heads(self._conv_step(conv_state, xbc))
         # the gathered states are copies: update them where they are, and hand them back
@@ -360,6 +365,25 @@ class Mamba2Mixer(nn.Module):
         y = y + x * self.D.float()[:, None]
         write_state_rows(self.name, batch, rows, [conv_state, h1])
         return y.flatten(1)
+
+    def _step_in_place(self, batch, rows: StateRows, xbc, dt, a_coef) -> torch.Tensor | None:
+        """`_step_rows` by the C kernels on each row's state in its pool page (the same
+        arithmetic as on stacked rows); None, the states untouched, where they do not apply."""
+        paged = state_rows_in_place(self.name, batch, rows) if self.act is F.silu else None
+        if paged is None:
+            return None
+        (conv_view, ssm_view), ids = paged
+        weight = self.conv1d.weight[:, 0]
+        out = cpu_kernels.conv_step_silu(conv_view, xbc, weight, self.conv1d.bias, ids)
+        if out is None:
+            return None
+        x, b, c = self._split_heads(out)
+        y = cpu_kernels.ssd_step(x, dt, a_coef, b, c, ssm_view, ids)
+        if y is None:  # the conv states took the token: the SSD step on copies of the rows
+            h1 = ssm_view.index_select(0, ids).float()
+            y, h1 = _ssd_step(x, dt, a_coef, b, c, h1, in_place=True)
+            ssm_view.index_copy_(0, ids, h1.to(ssm_view.dtype))
+        return (y + x * self.D.float()[:, None]).flatten(1)
 
     def _conv_step(self, conv_state: torch.Tensor, xbc: torch.Tensor) -> torch.Tensor:
         """One new input per sequence (xbc [S, C]) through the causal conv and the

@@ -60,6 +60,11 @@
 
 /* CALL(N) with N a constant where `n` is one of the common head / state sizes (64, 128), so
  * that the callee's loops over it have a known length, else CALL(n). */
+/* Where sequence s's state lies in a decode step's state operand, in state strides: s for
+ * rows stacked one after another (gathered copies), rows[s] for states updated where they lie
+ * in a paged pool (rows: each sequence's index in the pool's view, its block id). */
+#define STATE_ROW(rows, s) ((rows) ? (rows)[s] : (long)(s))
+
 #define WITH_COMMON_SIZE(n, CALL)                                                             \
     do {                                                                                      \
         if ((n) == 64) {                                                                      \

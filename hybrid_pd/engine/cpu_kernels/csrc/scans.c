@@ -116,15 +116,17 @@ int gdn_recurrent(int n, int hk, int hv, int dk, int dv,
 /* One decode step of the gated delta rule for S sequences, one token each: the arithmetic of
  * gdn_recurrent with n = 1, so a token's update is the same bit for bit in a prompt or in a
  * decode step. q, k: [S, hk, dk]; v: [S, hv, dv]; g, beta: [S, hv]; each with its strides;
- * state: [S, hv, dk, dv], each sequence's [hv, dk, dv] contiguous, sequences ss floats
- * apart (rows gathered from the pool), updated in place; out: [S, hv, dv] contiguous.
+ * state: each sequence's [hv, dk, dv] contiguous, updated in place, sequence s's at state +
+ * STATE_ROW(s) * ss (rows: NULL for rows ss floats apart, as gathered; else the index of each
+ * sequence's state in a paged pool's view, its pages ss floats apart); out: [S, hv, dv]
+ * contiguous.
  */
 int gdn_step(int seqs, int hk, int hv, int dk, int dv,
              const float *q, long qss, long qsh, long qsd,
              const float *k, long kss, long ksh, long ksd,
              const float *v, long vss, long vsh, long vsd,
              const float *g, const float *beta, long gss, long gsh,
-             float *state, long ss, float *out, int threads)
+             float *state, long ss, const long *rows, float *out, int threads)
 {
     if (dv > MAX_DIM || hk < 1 || hv % hk)
         return -1;
@@ -132,7 +134,7 @@ int gdn_step(int seqs, int hk, int hv, int dk, int dv,
         for (long s = r0; s < r0 + nr; s++)
             gdn_range(1, hk, hv, dk, dv, 0, hv, q + s * qss, 0, qsh, qsd, k + s * kss, 0, ksh,
                       ksd, v + s * vss, 0, vsh, vsd, g + s * gss, beta + s * gss, 0, gsh,
-                      state + s * ss, out + (size_t)s * hv * dv);
+                      state + STATE_ROW(rows, s) * ss, out + (size_t)s * hv * dv);
     })
     return 0;
 }
@@ -272,15 +274,16 @@ ssd_token(float *S, long sp, int hd, const int ns, const float *x, long xp, floa
     }
 }
 
-/* One decode step for S sequences of H heads, one token each. state: [S, H, P, N] float32,
- * strides ss, sh, sp (N contiguous; rows gathered from the pool may be strided), updated in
- * place; x: [S, H, P], strides xs, xh, xp; dt: [S, H], strides ds, dh; a: [H]; b, c:
- * [S, G, N], strides bs, bg (N contiguous; head h reads group h / (H / G)); y: [S, H, P]
- * contiguous.
+/* One decode step for S sequences of H heads, one token each. state: [H, P, N] float32 per
+ * sequence, strides sh, sp (N contiguous), updated in place, sequence s's at state +
+ * STATE_ROW(rows, s) * ss (rows: NULL for rows ss floats apart, as gathered; else the index
+ * of each sequence's state in a paged pool's view, its pages ss floats apart); x: [S, H, P],
+ * strides xs, xh, xp; dt: [S, H], strides ds, dh; a: [H]; b, c: [S, G, N], strides bs, bg
+ * (N contiguous; head h reads group h / (H / G)); y: [S, H, P] contiguous.
  */
 static inline __attribute__((always_inline)) void
 ssd_rows(int seqs, int heads, int hd, const int ns, int groups,
-         float *state, long ss, long sh, long sp,
+         float *state, long ss, long sh, long sp, const long *rows,
          const float *x, long xs, long xh, long xp, const float *dt, long ds, long dh,
          const float *a, const float *b, const float *c, long bs, long bg, float *y)
 {
@@ -289,13 +292,14 @@ ssd_rows(int seqs, int heads, int hd, const int ns, int groups,
         for (int h = 0; h < heads; h++) {
             const float d = dt[s * ds + h * dh];
             const long bo = s * bs + (h / per) * bg;
-            ssd_token(state + s * ss + h * sh, sp, hd, ns, x + s * xs + h * xh, xp, d,
-                      expf(d * a[h]), b + bo, c + bo, y + ((size_t)s * heads + h) * hd);
+            ssd_token(state + STATE_ROW(rows, s) * ss + h * sh, sp, hd, ns,
+                      x + s * xs + h * xh, xp, d, expf(d * a[h]), b + bo, c + bo,
+                      y + ((size_t)s * heads + h) * hd);
         }
 }
 
 int ssd_step(int seqs, int heads, int hd, int ns, int groups,
-             float *state, long ss, long sh, long sp,
+             float *state, long ss, long sh, long sp, const long *rows,
              const float *x, long xs, long xh, long xp, const float *dt, long ds, long dh,
              const float *a, const float *b, const float *c, long bs, long bg, float *y,
              int threads)
@@ -303,9 +307,9 @@ int ssd_step(int seqs, int heads, int hd, int ns, int groups,
     if (seqs < 0 || groups < 1 || heads % groups)
         return -1;
 #define SSD_CALL(NS)                                                                      \
-    ssd_rows(nr, heads, hd, NS, groups, state + r0 * ss, ss, sh, sp, x + r0 * xs, xs, xh, \
-             xp, dt + r0 * ds, ds, dh, a, b + r0 * bs, c + r0 * bs, bs, bg,               \
-             y + (size_t)r0 * heads * hd)
+    ssd_rows(nr, heads, hd, NS, groups, rows ? state : state + r0 * ss, ss, sh, sp,       \
+             rows ? rows + r0 : NULL, x + r0 * xs, xs, xh, xp, dt + r0 * ds, ds, dh, a,   \
+             b + r0 * bs, c + r0 * bs, bs, bg, y + (size_t)r0 * heads * hd)
 #define SSD_SPLIT(NS) SPLIT_ROWS(seqs, SSD_CALL(NS);)
     WITH_COMMON_SIZE(ns, SSD_SPLIT);
 #undef SSD_SPLIT
@@ -401,16 +405,17 @@ conv_silu(long rows, long channels, int taps, const float *x, long xs, const lon
 /* One token of each of S sequences through the same convolution and SiLU, with the same
  * arithmetic per output as conv_silu (the bias, then the taps oldest first, then SiLU), so
  * a token's output does not depend on whether it came in a prompt or a decode step. state:
- * [S][channels][taps - 1] (sequences ss elements apart; the taps - 1 latest inputs, oldest
- * first), shifted in place to take the new input; x: [S][channels] (rows xs apart); w:
- * [channels][taps] (conv1d's weight); bias: [channels] or NULL; out: [S][channels]. */
+ * [channels][taps - 1] per sequence (the taps - 1 latest inputs, oldest first), sequence s's
+ * at state + STATE_ROW(rows, s) * ss (as in ssd_step), shifted in place to take the new
+ * input; x: [S][channels] (rows xs apart); w: [channels][taps] (conv1d's weight); bias:
+ * [channels] or NULL; out: [S][channels]. */
 static inline __attribute__((always_inline)) void
-conv_step_silu(long seqs, long channels, int taps, float *state, long ss, const float *x,
-               long xs, const float *w, const float *bias, float *out)
+conv_step_silu(long seqs, long channels, int taps, float *state, long ss, const long *rows,
+               const float *x, long xs, const float *w, const float *bias, float *out)
 {
     const int kept = taps - 1;
     for (long s = 0; s < seqs; s++) {
-        float *st = state + s * ss, *o = out + s * channels;
+        float *st = state + STATE_ROW(rows, s) * ss, *o = out + s * channels;
         const float *xr = x + s * xs;
         for (long c = 0; c < channels; c++)
             o[c] = bias ? bias[c] : 0.f;
@@ -431,11 +436,12 @@ conv_step_silu(long seqs, long channels, int taps, float *state, long ss, const 
 }
 
 void conv_step_silu_f32(long seqs, long channels, int taps, float *state, long ss,
-                        const float *x, long xs, const float *w, const float *bias, float *out,
-                        int threads)
+                        const long *rows, const float *x, long xs, const float *w,
+                        const float *bias, float *out, int threads)
 {
-    SPLIT_ROWS(seqs, conv_step_silu(nr, channels, taps, state + r0 * ss, ss, x + r0 * xs, xs, w,
-                                    bias, out + r0 * channels);)
+    SPLIT_ROWS(seqs, conv_step_silu(nr, channels, taps, rows ? state : state + r0 * ss, ss,
+                                    rows ? rows + r0 : NULL, x + r0 * xs, xs, w, bias,
+                                    out + r0 * channels);)
 }
 
 void conv_silu_f32(long rows, long channels, int taps, const float *x, long xs,
