@@ -47,6 +47,18 @@ def add_engine_parser(bsub: argparse._SubParsersAction) -> None:
         help="--peer: run every vLLM process on the benchmark's CPUs, not only its model "
         "worker's threads (its front end and engine core otherwise use any free CPU)",
     )
+    e.add_argument(
+        "--peer-compiled",
+        action="store_true",
+        help="--peer: vLLM as it starts by default (its torch.compile graphs), not eager",
+    )
+    e.add_argument(
+        "--decode-by-difference",
+        action="store_true",
+        help="--peer: also run each batch to its first token alone and report decode as the "
+        "whole run's time less that (*_by_difference: independent of when a side reports "
+        "first tokens)",
+    )
     e.add_argument("--reps", type=int, default=2, help="alternating repetitions (--peer)")
     e.add_argument("--dtype", default=None, help="default: the checkpoint's, else float32")
     e.add_argument(
@@ -211,6 +223,8 @@ def _cmd_bench_engine_peer(args: argparse.Namespace, sizes: list[int]) -> int:
         seed=args.seed,
         confine_peer=args.confine_peer,
         held_state_rows_bytes=args.held_state_rows,
+        peer_compiled=args.peer_compiled,
+        decode_by_difference=args.decode_by_difference,
     )
     print(json.dumps(result, indent=2) if args.json else summary(result))
     return 0

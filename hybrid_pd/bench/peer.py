@@ -74,6 +74,7 @@ class VllmPeer:
         max_batched_tokens: int,
         cpus: list[int],
         env: dict[str, str],
+        compiled: bool = False,
     ) -> None:
         from hybrid_pd.workers.vllm_server import TCMALLOC, own_rpc_dir
 
@@ -104,7 +105,7 @@ class VllmPeer:
             python, "-m", "hybrid_pd.bench.peer_vllm", "--model", str(model),
             "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--max-batch", str(max_batch), "--max-batched-tokens", str(max_batched_tokens),
-        ]  # fmt: skip
+        ] + (["--compiled"] if compiled else [])  # fmt: skip
         self.proc = subprocess.Popen(
             args,
             stdin=subprocess.PIPE,
@@ -272,13 +273,17 @@ def bench_engine_peer(
     seed: int = 0,
     confine_peer: bool = False,
     held_state_rows_bytes: int | None = None,
+    peer_compiled: bool = False,
+    decode_by_difference: bool = False,
 ) -> dict[str, Any]:
     """Our engine against vLLM's (see the module docstring); the child always ends.
 
     vLLM binds only its model worker's threads to `cpus`. Its front end and engine-core
     processes run wherever the kernel puts them, so on a machine with more CPUs than `cpus`
     its scheduling and output handling overlap the model on another CPU, while ours share
-    `cpus` with our model. `confine_peer` starts every vLLM process on `cpus` alone."""
+    `cpus` with our model. `confine_peer` starts every vLLM process on `cpus` alone.
+    `peer_compiled`: vLLM in its default mode (torch.compile'd) instead of eager.
+    `decode_by_difference`: also time each batch to its first token alone (`_bench_batch`)."""
     import torch
 
     from hybrid_pd.bench.machine import add_machine_ratios, checkpoint_costs, machine_figures
@@ -314,6 +319,7 @@ def bench_engine_peer(
                 max_batched_tokens=max_bs * prompt_len,
                 cpus=cpus,
                 env=peer_env or {},
+                compiled=peer_compiled,
             ) as peer,
             frozen_heap(),
         ):  # as in every engine process (imports: most of the heap)
@@ -338,7 +344,9 @@ def bench_engine_peer(
                 # speed on both sides, which a median of two reps would keep
                 ours.run(prompts, 2)
                 peer.run(prompts, 2)
-                rows.append(_bench_batch(ours, peer, prompts, decode_tokens, reps))
+                rows.append(
+                    _bench_batch(ours, peer, prompts, decode_tokens, reps, decode_by_difference)
+                )
                 add_machine_ratios(rows[-1], costs, machine)
     finally:
         os.sched_setaffinity(0, affinity)
@@ -346,6 +354,8 @@ def bench_engine_peer(
     return {
         "model": model_name,
         "peer": "vllm",
+        # vLLM's mode: "eager" (enforce_eager) or "compiled" (its default, --peer-compiled)
+        "vllm_mode": peer.info.get("mode", "eager"),
         "dtype": {"ours": ours.dtype, "vllm": peer.info["dtype"]},
         "threads": {
             "ours": threads,
@@ -371,6 +381,8 @@ def bench_engine_peer(
             "prefill: batch submitted to every request's first token; decode: from then to "
             "the last request's end; decode tokens/s counts the tokens after the first"
         ),
+        # *_prefill_alone / *_decode_by_difference present (see `_bench_batch`)
+        "decode_by_difference": decode_by_difference,
         "warmup": WARMUP,
         # what the figures are compared with: per-token costs of the checkpoint, and the
         # GEMM peak and memcpy bandwidth measured on the benchmark's CPUs before the runs
@@ -381,12 +393,24 @@ def bench_engine_peer(
 
 
 def _bench_batch(
-    ours: _OurSide, peer: VllmPeer, prompts: list[list[int]], decode_tokens: int, reps: int
+    ours: _OurSide,
+    peer: VllmPeer,
+    prompts: list[list[int]],
+    decode_tokens: int,
+    reps: int,
+    by_difference: bool = False,
 ) -> dict[str, Any]:
+    """One batch size's row. Per rep and side: the timed run (`timed_steps`), and with
+    `by_difference` a run of the same prompts to their first token only: its wall time is
+    the prefill's, and the timed run's wall time less it the decode's (`*_by_difference`).
+    That split does not depend on when a side reports first tokens: vLLM's front end learns
+    of them from its engine-core process, which by then may have run decode steps."""
     bs, prompt_len = len(prompts), len(prompts[0])
+    phases = ("prefill", "decode") + (("prefill_alone", "decode_by_difference") * by_difference)
     figures: dict[str, list[float]] = {
-        f"{side}_{phase}": [] for side in ("ours", "vllm") for phase in ("prefill", "decode")
+        f"{side}_{phase}": [] for side in ("ours", "vllm") for phase in phases
     }
+    walls: dict[str, list[float]] = {"ours": [], "vllm": []}
     first: dict[str, list[list[int]]] = {}
     for _ in range(reps):
         for side, runner in (("ours", ours), ("vllm", peer)):
@@ -395,15 +419,27 @@ def _bench_batch(
             prefill, decode = rates(bs, prompt_len, decode_tokens, t)
             figures[f"{side}_prefill"].append(round(prefill, 1))
             figures[f"{side}_decode"].append(round(decode, 1))
+            walls[side].append(t.prefill_s + t.decode_s)
+            if by_difference:
+                alone = runner.run(prompts, 1).prefill_s
+                decode_s = max(walls[side][-1] - alone, 1e-9)
+                figures[f"{side}_prefill_alone"].append(round(bs * prompt_len / alone, 1))
+                rate = bs * (decode_tokens - 1) / decode_s
+                figures[f"{side}_decode_by_difference"].append(round(rate, 1))
     row: dict[str, Any] = {"batch_size": bs, "prompt_len": prompt_len}
     row["decode_tokens"] = decode_tokens
     for key, xs in figures.items():
         row[f"{key}_tokens_per_s"] = _median(xs)
     for key, xs in figures.items():
         row[f"{key}_tokens_per_s_reps"] = xs
-    for phase in ("prefill", "decode"):
+    for phase in phases:
         ratio = row[f"ours_{phase}_tokens_per_s"] / row[f"vllm_{phase}_tokens_per_s"]
         row[f"{phase}_ratio"] = round(ratio, 3)
+    # the whole batch, submit to last token: vLLM's over ours (above 1: ours took less)
+    for side in ("ours", "vllm"):
+        row[f"{side}_wall_s_reps"] = [round(w, 3) for w in walls[side]]
+    wall = statistics.median(walls["vllm"]) / statistics.median(walls["ours"])
+    row["wall_ratio"] = round(wall, 3)
     a, b = first["ours"], first["vllm"]
     row["greedy_equal_sequences"] = sum(x == y for x, y in zip(a, b, strict=True))
     row["greedy_agreeing_tokens_mean"] = round(

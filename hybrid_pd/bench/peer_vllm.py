@@ -88,7 +88,8 @@ class _VllmSide:
         self.llm = vllm.LLM(
             model=args.model,
             dtype=args.dtype,
-            enforce_eager=True,
+            # eager unless asked for vLLM's default (torch.compile'd graphs, compiled at load)
+            enforce_eager=not args.compiled,
             enable_prefix_caching=False,
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_batch,
@@ -110,6 +111,7 @@ class _VllmSide:
             "process_cpus": sorted(os.sched_getaffinity(0)),
             # which of vLLM's kernel builds the processor's report selects (peer_site)
             "kernels_avx512": bool(torch.cpu._is_avx512_supported()),
+            "mode": "compiled" if args.compiled else "eager",
         }
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> Timing:
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, required=True)
     p.add_argument("--max-batched-tokens", type=int, required=True)
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--compiled", action="store_true", help="vLLM's default mode, not eager")
     args = p.parse_args(argv)
     # The protocol owns the original stdout; whatever vLLM prints goes to stderr.
     out = os.fdopen(os.dup(1), "w")

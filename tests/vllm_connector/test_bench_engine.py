@@ -26,11 +26,13 @@ def test_bench_engine_against_vllm(tmp_path, capsys):
     args = parser.parse_args(
         ["bench", "engine", "--model", str(model), "--peer", "vllm", "--peer-python",
          sys.executable, "--batch-sizes", "1,2", "--prompt-len", "40", "--decode-tokens", "4",
-         "--reps", "2", "--threads", "1", "--dtype", "float32", "--confine-peer", "--json"]
+         "--reps", "2", "--threads", "1", "--dtype", "float32", "--confine-peer",
+         "--decode-by-difference", "--json"]
     )  # fmt: skip
     assert args.func(args) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["peer"] == "vllm" and out["reps"] == 2
+    assert out["peer"] == "vllm" and out["reps"] == 2 and out["vllm_mode"] == "eager"
+    assert out["decode_by_difference"] is True
     assert out["dtype"] == {"ours": "float32", "vllm": "float32"}
     assert out["threads"]["ours"] == out["threads"]["vllm"] == 1
     assert out["threads"]["vllm_processes_cpus"] == out["threads"]["cpus"]
@@ -44,7 +46,14 @@ def test_bench_engine_against_vllm(tmp_path, capsys):
                 assert r[f"{side}_{phase}_tokens_per_s"] > 0
                 reps = r[f"{side}_{phase}_tokens_per_s_reps"]
                 assert len(reps) == 2 and min(reps) > 0
-        assert r["prefill_ratio"] > 0 and r["decode_ratio"] > 0
+        assert r["prefill_ratio"] > 0 and r["decode_ratio"] > 0 and r["wall_ratio"] > 0
+        for side in ("ours", "vllm"):
+            walls = r[f"{side}_wall_s_reps"]
+            assert len(walls) == 2 and min(walls) > 0
+            for key in ("prefill_alone", "decode_by_difference"):
+                assert len(r[f"{side}_{key}_tokens_per_s_reps"]) == 2
+                assert r[f"{side}_{key}_tokens_per_s"] > 0
+        assert r["decode_by_difference_ratio"] > 0
         ours, theirs = r["ours_token_ids_rep0"], r["vllm_token_ids_rep0"]
         assert len(ours) == r["batch_size"] and all(len(ids) == 4 for ids in ours)
         assert ours == theirs, (ours, theirs)
