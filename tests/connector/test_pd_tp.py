@@ -98,10 +98,15 @@ def test_staged_hand_over_between_tp_sizes(name, p_tp, d_tp, one_sided, checkpoi
     """Decode follows a prefill of several steps and pulls each attention block once it is
     final, each decode rank its own heads from the prefill ranks holding them; the final
     pull moves the rest (state pages, the last blocks). Tokens equal one TP-1 engine's;
-    staged and final pulls together move exactly the minimum, rank by rank."""
+    staged and final pulls together move exactly the minimum, rank by rank. The second
+    prompt shares the first's two leading blocks, which decode's prefix cache holds: staging
+    starts after them and nothing held is pulled."""
     path = checkpoint(name)
     ref = reference_engine(path)
+    bs = ref.kv_config.block_size
     src, dst = tp_layout(path, ref.kv_config, p_tp), tp_layout(path, ref.kv_config, d_tp)
+    plan = ShardedPlan(src, dst, lambda: [])
+    attention = [g.kind != "state" for g in src.groups]
     pair = Pair(
         path,
         prefill_args=("--tensor-parallel-size", str(p_tp), "--max-num-batched-tokens", str(CHUNK)),
@@ -111,39 +116,52 @@ def test_staged_hand_over_between_tp_sizes(name, p_tp, d_tp, one_sided, checkpoi
     )
     try:
         sampling = sampling_to_pb(SamplingParams(max_tokens=N_NEW, ignore_eos=True))
-        p = prompt(9 * MAMBA_CHUNK + 3, seed=5)
-        expected = reference_tokens(ref, p, N_NEW)
-        assert len(set(expected)) >= 4, "reference output does not vary"
-        first, out = staged_run(pair, name, p, sampling, secrets.token_urlsafe(16))
-        assert first.first_token == expected[0]
-        assert out.error == "" and out.token_ids == expected, (name, p_tp, d_tp)
-        assert not out.transfer["recomputed"]
-        kv = first.kv_transfer_params
-        plan = ShardedPlan(src, dst, lambda: [])
-        minimum = plan.bytes_by_rank(plan.runs(kv.block_ids, kv.block_ids), "dst")
+        first_prompt = prompt(9 * MAMBA_CHUNK + 3, seed=5)
+        shared = first_prompt[: 2 * bs] + prompt(len(first_prompt) - 2 * bs, seed=6)
+        by_rank, staged_total = [0] * d_tp, 0
+        for i, p in enumerate((first_prompt, shared)):
+            expected = reference_tokens(ref, p, N_NEW)
+            assert len(set(expected)) >= 4, "reference output does not vary"
+            rid = f"{name}-{i}"
+            first, out = staged_run(pair, rid, p, sampling, secrets.token_urlsafe(16))
+            assert first.first_token == expected[0]
+            assert out.error == "" and out.token_ids == expected, (name, p_tp, d_tp, i)
+            assert not out.transfer["recomputed"]
+            held = out.transfer["held_tokens"] // bs
+            assert held == (0 if i == 0 else 2), out.transfer
+            # the minimum: every kept block but those decode's prefix cache held
+            kept = [
+                list(g[held:] if a else g)
+                for g, a in zip(first.kv_transfer_params.block_ids, attention, strict=True)
+            ]
+            minimum = plan.bytes_by_rank(plan.runs(kept, kept), "dst")
+            by_rank = [a + b for a, b in zip(by_rank, minimum, strict=True)]
+            assert out.transfer["bytes"] == sum(minimum)
+            staged = out.transfer["staged_bytes"]
+            staged_total += staged
+            assert 0 < staged < out.transfer["bytes"]
+            # staged: whole attention blocks (rows of every decode rank); states at the end
+            per_block, state = [], 0
+            for g, ids in enumerate(kept):
+                only = [ids if h == g else [] for h in range(len(kept))]
+                nbytes = plan.nbytes(plan.runs(only, only))
+                if not attention[g]:
+                    state += nbytes
+                elif ids:
+                    per_block.append(nbytes // len(ids))
+            assert state > 0 and out.transfer["bytes"] - staged >= state
+            assert staged % math.gcd(*per_block) == 0
         stats = pair.decode.stats()["decode_connector"]
-        assert stats["bytes_by_rank"] == minimum
-        assert out.transfer["bytes"] == stats["bytes"] == sum(minimum)
-        assert stats["staged_pulls"] >= 1 and stats["staged_void"] == 0
-        staged = out.transfer["staged_bytes"]
-        assert 0 < staged < out.transfer["bytes"]
-        # staged: whole attention blocks (rows of every decode rank); states come at the end
-        per_block, state = [], 0
-        for g, ids in enumerate(kv.block_ids):
-            only = [list(ids) if h == g else [] for h in range(len(kv.block_ids))]
-            nbytes = plan.nbytes(plan.runs(only, only))
-            if src.groups[g].kind == "state":
-                state += nbytes
-            elif ids:
-                per_block.append(nbytes // len(ids))
-        assert state > 0 and out.transfer["bytes"] - staged >= state
-        assert staged % math.gcd(*per_block) == 0
+        assert stats["bytes_by_rank"] == by_rank and stats["bytes"] == sum(by_rank)
+        assert stats["staged_pulls"] >= 2 and stats["staged_void"] == 0
+        assert stats["staged_bytes"] == staged_total
         pre = pair.prefill.stats()["prefill_connector"]
-        assert pre["staged_pulls"] >= 1 and pre["staged_bytes"] == out.transfer["staged_bytes"]
+        assert pre["staged_pulls"] == stats["staged_pulls"]
+        assert pre["staged_bytes"] == staged_total
         if one_sided:  # every pull, staged and final, read and confirmed
             assert pre["read_pulls"] == pre["pulled"] + pre["staged_pulls"]
         else:  # every pull sent by the prefill worker
-            assert pre["read_pulls"] == 0 and pre["messages_sent"] >= pre["staged_pulls"] + 1
+            assert pre["read_pulls"] == 0 and pre["messages_sent"] >= pre["staged_pulls"] + 2
         for client in (pair.prefill, pair.decode):
             wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
     finally:
