@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Tensor-parallel sizes the overlapped hand-over was verified with, on either side and in
+#: any pair (its staged pulls plan rank pieces exactly as the ordinary pull does).
+OVERLAP_TP_SIZES = (1, 2, 4)
+
 
 def resolve_secret(
     secret: str | None,
@@ -162,9 +166,11 @@ class ServeConfig:
             if self.tp_size(role) < 1:
                 raise ValueError(f"{role} tensor-parallel size must be >= 1")
         tp = max(self.tp_size("prefill"), self.tp_size("decode"))
-        if self.overlap_transfer and tp > 1:
+        sizes = (self.tp_size("prefill"), self.tp_size("decode"))
+        if self.overlap_transfer and any(n not in OVERLAP_TP_SIZES for n in sizes):
             raise ValueError(
-                "overlap_transfer with tensor parallelism is not verified yet: turn one off"
+                "overlap_transfer is verified with tensor-parallel sizes 1, 2 and 4 only "
+                f"(prefill {sizes[0]}, decode {sizes[1]}): turn it off or use one of those"
             )
         if self.engine == "vllm" and tp > 1:
             raise ValueError(

@@ -8,10 +8,15 @@ from pathlib import Path
 
 import torch
 
+from hybrid_pd.api.params import KVTransferParams
+from hybrid_pd.connector.layout import KVLayout
 from hybrid_pd.connector.onesided import ENV as ONESIDED_ENV
 from hybrid_pd.engine.engine import Engine, EngineConfig
 from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.sampling import SamplingParams
+from hybrid_pd.engine.tp.plans import plan_for
+from hybrid_pd.kvcache.hf_configs import cache_spec_from_config, load_config
+from hybrid_pd.kvcache.tp_layout import rank_kv_config
 from hybrid_pd.launcher.local import WorkerProcess, start_worker
 from hybrid_pd.proxy.worker_client import WorkerClient
 from hybrid_pd.workers.vllm_server import free_port
@@ -69,6 +74,15 @@ def reference_tokens(engine: Engine, prompt: list[int], n: int) -> list[int]:
     return out.token_ids
 
 
+def tp_layout(path: Path, kv_config, size: int) -> KVLayout:
+    """The layout of one rank of a worker of `size` ranks serving `path` (`kv_config`: the
+    whole model's): its page is what that rank's pool holds of a block."""
+    if size == 1:
+        return KVLayout.of(kv_config, "m")
+    rank_spec = cache_spec_from_config(plan_for(load_config(path), size).rank_config, "float32")
+    return KVLayout.of(rank_kv_config(kv_config, rank_spec), "m", kv_config, size)
+
+
 def prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
@@ -89,3 +103,13 @@ def no_leaks(stats: dict) -> bool:
         and stats.get("leases", 0) == 0
         and stats["integrity"] == "ok"
     )
+
+
+def staged_run(pair: Pair, rid: str, p: list[int], sampling, token: str):
+    """Overlap: the Prefill (carrying the transfer token `token`) and a Generate with
+    staged params side by side, as the proxy runs them; (prefill reply, decode reply)."""
+    staged = KVTransferParams.for_staging(f"{rid}-p", p, pair.procs[0].address, token)
+    with ThreadPoolExecutor(2) as ex:
+        first = ex.submit(pair.prefill.prefill, f"{rid}-p", p, sampling, transfer_token=token)
+        out = ex.submit(pair.decode.generate, f"{rid}-d", p, sampling, staged)
+        return first.result(), out.result()

@@ -4,12 +4,10 @@ runs (real worker processes, gRPC and UCX); the output equals one engine's."""
 from __future__ import annotations
 
 import secrets
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
-from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.api.wire import sampling_to_pb
 from hybrid_pd.engine.sampling import SamplingParams
 from tests.checkpoints import MAMBA_CHUNK
@@ -19,6 +17,8 @@ from tests.connector.pd_fixtures import (
     prompt,
     reference_engine,
     reference_tokens,
+    staged_run,
+    tp_layout,
     wait_until,
 )
 
@@ -43,15 +43,6 @@ def overlap_pair(request, checkpoint):
         pair.close()
 
 
-def _staged_run(pair: Pair, rid: str, p: list[int], sampling, token: str):
-    """Prefill (with the token) and decode (with staged params) side by side."""
-    staged = KVTransferParams.for_staging(f"{rid}-p", p, pair.procs[0].address, token)
-    with ThreadPoolExecutor(2) as ex:
-        first = ex.submit(pair.prefill.prefill, f"{rid}-p", p, sampling, transfer_token=token)
-        out = ex.submit(pair.decode.generate, f"{rid}-d", p, sampling, staged)
-        return first.result(), out.result()
-
-
 def test_staged_hand_over_equals_one_engine_and_ships_the_minimum(overlap_pair):
     name, pair, ref = overlap_pair
     sampling = sampling_to_pb(SamplingParams(max_tokens=N_NEW, ignore_eos=True))
@@ -59,7 +50,7 @@ def test_staged_hand_over_equals_one_engine_and_ships_the_minimum(overlap_pair):
     p = prompt(9 * MAMBA_CHUNK + 3, seed=5)  # five prefill steps
     expected = reference_tokens(ref, p, N_NEW)
     assert len(set(expected)) >= 4, "reference output does not vary"
-    first, out = _staged_run(pair, name, p, sampling, secrets.token_urlsafe(16))
+    first, out = staged_run(pair, name, p, sampling, secrets.token_urlsafe(16))
     assert first.first_token == expected[0]
     assert first.kv_transfer_params.transfer_token  # the proxy's token names the kept KV
     assert out.error == "" and out.token_ids == expected, name
@@ -91,7 +82,7 @@ def test_a_first_token_that_ends_the_request_fails_the_staged_leg_and_frees_all(
     stop = reference_tokens(ref, p, 1)[0]
     sampling = sampling_to_pb(SamplingParams(max_tokens=N_NEW, stop_token_ids=[stop]))
     with pytest.raises(grpc.RpcError) as failed:
-        _staged_run(pair, f"{name}-stop", p, sampling, secrets.token_urlsafe(16))
+        staged_run(pair, f"{name}-stop", p, sampling, secrets.token_urlsafe(16))
     assert failed.value.code() == grpc.StatusCode.ABORTED
     assert "prefill ended without keeping the KV" in failed.value.details()
     first = pair.prefill.prefill(f"{name}-stop2", p, sampling)  # what the prefill said
@@ -100,19 +91,23 @@ def test_a_first_token_that_ends_the_request_fails_the_staged_leg_and_frees_all(
         wait_until(lambda c=client: no_leaks(c.stats()), 10, "blocks to be freed")
 
 
-def test_a_prefill_preempted_while_staged_restages_and_stays_exact(checkpoint):
+@pytest.mark.parametrize("p_tp", [1, 2])
+def test_a_prefill_preempted_while_staged_restages_and_stays_exact(p_tp, checkpoint):
     """A lease nobody pulls pins most of the prefill worker's pool: the staged request is
     preempted (its blocks freed, its epoch moved on) until the lease expires, then computed
     again. The decode worker drops what it staged from the freed blocks and pulls them
-    again; the output equals one engine's and both workers end with every block free."""
+    again; the output equals one engine's and both workers end with every block free.
+    `p_tp`: the prefill worker's ranks (2: each block's KV heads lie in two ranks' pools,
+    both reused after the preemption; decode, one rank, pulls each block's two halves)."""
     path = checkpoint("llama")
     ref = reference_engine(path)
     kv, bs = ref.kv_config, ref.kv_config.block_size
-    pool = kv.page_size_bytes * 41  # 40 usable blocks
+    # 40 usable blocks (--kv-memory is each rank's pool: a rank's share of every page)
+    pool = tp_layout(path, kv, p_tp).page_size_bytes * 41
     pair = Pair(
         path,
         prefill_args=["--kv-memory", str(pool), "--lease-s", "2", "--max-num-batched-tokens",
-                      str(2 * bs)],
+                      str(2 * bs), "--tensor-parallel-size", str(p_tp)],
         env={"HYBRID_PD_INJECT_FAULT": "slow_prefill:0.05"},
     )  # fmt: skip
     try:
@@ -121,7 +116,7 @@ def test_a_prefill_preempted_while_staged_restages_and_stays_exact(checkpoint):
         pair.prefill.prefill("pinned", pinned, sampling)  # kept, never pulled: 26 blocks
         p = prompt(24 * bs, seed=41)
         expected = reference_tokens(ref, p, N_NEW)
-        first, out = _staged_run(pair, "preempted", p, sampling, secrets.token_urlsafe(16))
+        first, out = staged_run(pair, "preempted", p, sampling, secrets.token_urlsafe(16))
         assert first.first_token == expected[0]
         assert out.error == "" and out.token_ids == expected
         # Blocks staged from the freed pages moved twice: counted, whole pages.

@@ -150,7 +150,7 @@ def test_worker_and_generate_read_held_state_rows():
     assert e.value.code == 2
 
 
-def test_overlap_transfer_reaches_the_config_and_is_refused_for_vllm(monkeypatch, tmp_path):
+def test_overlap_transfer_reaches_the_config_and_is_refused_for_vllm(monkeypatch, tmp_path, capsys):
     """`serve --overlap-transfer` (or YAML `overlap_transfer: true`) reaches ServeConfig;
     off by default; engine vllm refuses it before anything starts. The proxy's own command
     takes the flag too, and workers take the prefill chunk (--max-num-batched-tokens)."""
@@ -167,6 +167,12 @@ def test_overlap_transfer_reaches_the_config_and_is_refused_for_vllm(monkeypatch
     assert ServeConfig.from_yaml(path).overlap_transfer is True
     with pytest.raises(ValueError, match="engine hybrid-pd only"):
         ServeConfig(engine="vllm", model="some/folder", overlap_transfer=True)
+    # with tensor-parallel workers of the sizes it was verified with (1, 2, 4), not others
+    tp = ["--prefill-tensor-parallel-size", "2", "--decode-tensor-parallel-size", "4"]
+    on = _deployed_config(monkeypatch, ["serve", "--port", "0", "--overlap-transfer", *tp])
+    assert on.overlap_transfer and (on.tp_size("prefill"), on.tp_size("decode")) == (2, 4)
+    assert cli.main(["serve", "--overlap-transfer", "--tensor-parallel-size", "3"]) == 2
+    assert "verified with tensor-parallel sizes 1, 2 and 4 only" in capsys.readouterr().err
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert p.parse_args(["--decode", "127.0.0.1:1", "--overlap-transfer"]).overlap_transfer

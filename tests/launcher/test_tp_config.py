@@ -25,7 +25,12 @@ def test_per_role_sizes_reach_the_worker_configs():
     ("settings", "message"),
     [
         ({"tensor_parallel_size": 0}, "tensor-parallel size must be >= 1"),
-        ({"decode_tensor_parallel_size": 2, "overlap_transfer": True}, "overlap_transfer"),
+        (
+            {"decode_tensor_parallel_size": 3, "overlap_transfer": True},
+            r"overlap_transfer is verified with tensor-parallel sizes 1, 2 and 4 only \(prefill "
+            r"1, decode 3\)",
+        ),
+        ({"tensor_parallel_size": 8, "overlap_transfer": True}, "prefill 8, decode 8"),
         (
             {"engine": "vllm", "model": "/m", "prefill_tensor_parallel_size": 2},
             "engine vllm is not verified",
@@ -35,6 +40,17 @@ def test_per_role_sizes_reach_the_worker_configs():
 def test_unverified_or_bad_sizes_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         ServeConfig(**settings)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1), (2, 2), (4, 2), (1, 4)])
+def test_overlap_with_verified_tp_sizes_is_taken(p_tp, d_tp):
+    config = ServeConfig(
+        overlap_transfer=True, prefill_tensor_parallel_size=p_tp, decode_tensor_parallel_size=d_tp
+    )
+    assert config.overlap_transfer and (config.tp_size("prefill"), config.tp_size("decode")) == (
+        p_tp,
+        d_tp,
+    )
 
 
 def test_cli_refuses_per_role_sizes_without_disaggregation():
