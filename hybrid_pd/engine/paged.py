@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid_pd.engine import cpu_kernels
 from hybrid_pd.engine.batch import ForwardBatch, SeqInfo
 
 # Fewest one-token sequences worth a batched state update (below it they join the loop).
@@ -111,7 +112,14 @@ def state_rows_in_place(
     block ids [S] int64) for kernels that update each row's state where it lies, fresh rows
     zeroed there first; None where a state spans several blocks (then `read_state_rows` /
     `write_state_rows`). Updating in place reads and writes each state once, where a
-    gathered copy moves it three times (gather, update, scatter)."""
+    gathered copy moves it three times (gather, update, scatter). Asked only where the kernels
+    may take the rows (CPU, float32 states, the kernels built): elsewhere the layer's held
+    rows stay held."""
+    spec = batch.kv.config.group_of(layer_name).spec
+    if rows.blocks.device.type != "cpu" or any(d != "float32" for d in spec.dtypes):
+        return None
+    if cpu_kernels.library() is None:
+        return None
     views = batch.kv.state_views_in_place(layer_name)
     if views is None:
         return None
