@@ -174,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent()
 
     from hybrid_pd.engine.engine import EngineConfig
+    from hybrid_pd.engine.heap import freeze_startup_heap
     from hybrid_pd.engine.loader import load_model
     from hybrid_pd.engine.malloc import tune_malloc
     from hybrid_pd.engine.threads import set_torch_threads
@@ -187,7 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, config, _ = load_model(resolve_model(args.model), device=args.device, tp=group)
         config_fields = json.loads(args.engine_config)
-        Follower(model, config, EngineConfig(**config_fields), group, args.share_tag).run()
+        follower = Follower(model, config, EngineConfig(**config_fields), group, args.share_tag)
+        # As in every engine process: a full collection walks torch's and the model's
+        # objects (tens of ms), and a follower's pause stalls every rank at the next
+        # all-reduce.
+        freeze_startup_heap()
+        follower.run()
     finally:
         leave_group(group)
     return 0
