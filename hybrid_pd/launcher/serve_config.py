@@ -166,11 +166,6 @@ class ServeConfig:
             raise ValueError(
                 "overlap_transfer with tensor parallelism is not verified yet: turn one off"
             )
-        if self.engine == "vllm" and tp > 1:
-            raise ValueError(
-                "tensor parallelism with engine vllm is not verified yet: serve vLLM "
-                "workers with tensor-parallel size 1"
-            )
         if self.engine == "vllm" and self.model == "tiny":
             raise ValueError(
                 "engine vllm serves a checkpoint folder: give --model PATH (vLLM's CPU "

@@ -26,15 +26,17 @@ def test_per_role_sizes_reach_the_worker_configs():
     [
         ({"tensor_parallel_size": 0}, "tensor-parallel size must be >= 1"),
         ({"decode_tensor_parallel_size": 2, "overlap_transfer": True}, "overlap_transfer"),
-        (
-            {"engine": "vllm", "model": "/m", "prefill_tensor_parallel_size": 2},
-            "engine vllm is not verified",
-        ),
     ],
 )
 def test_unverified_or_bad_sizes_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         ServeConfig(**settings)
+
+
+def test_engine_vllm_takes_per_role_sizes():
+    config = ServeConfig(engine="vllm", model="/m", prefill_tensor_parallel_size=2)
+    assert (config.tp_size("prefill"), config.tp_size("decode")) == (2, 1)
+    assert config.engine_processes == 3
 
 
 def test_cli_refuses_per_role_sizes_without_disaggregation():
