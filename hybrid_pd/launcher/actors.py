@@ -82,7 +82,10 @@ class VllmWorkerActor:
     """A vLLM OpenAI server running hybrid-pd's connector (a subprocess under
     `vllm_python`), and the Worker gRPC API in front of it (`VllmWorker`). A prefill actor
     serves KVControl on `control_port`, fixed by the launcher so that a restarted actor
-    comes back where its decode peers look for it."""
+    comes back where its decode peers look for it; with `tensor_parallel_size` N its
+    server runs N ranks on this node (rank r serving KVControl on `control_port + r`),
+    bound to `cpus` ("0|1": one entry per rank; "node": this node's CPUs split among
+    them, refused when there are fewer than ranks)."""
 
     def __init__(
         self,
@@ -99,6 +102,7 @@ class VllmWorkerActor:
         cpus: str = "nobind",
         host: str = "127.0.0.1",
         ucx_tls: str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         import os
         import tempfile
@@ -115,8 +119,11 @@ class VllmWorkerActor:
             import ray
 
             host = ray.util.get_node_ip_address()
-        if cpus == "node":  # every CPU this node gives the actor
-            cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        if cpus == "node":  # every CPU this node gives the actor, split among its ranks
+            from hybrid_pd.launcher.vllm_slots import rank_binds
+
+            mine = sorted(os.sched_getaffinity(0))
+            cpus = rank_binds(mine, [tensor_parallel_size], where=f"node {host}")[0]
         extra: dict = {"control_host": host, "control_port": control_port}
         if peers:
             extra["peers"] = list(peers)
@@ -132,6 +139,7 @@ class VllmWorkerActor:
             cpus=cpus,
             env=env,
             python=vllm_python,
+            tensor_parallel_size=tensor_parallel_size,
         )
         try:
             self.server.wait_ready()

@@ -80,11 +80,12 @@ class Deployment:
         # Each worker resolves `tiny` on its own node (built there if missing); a checkpoint
         # path must exist at the same place on every node.
         self._worker_model = config.model if config.model == TINY_NAME else model_path
+        vllm = config.engine == "vllm"
+        # before Ray starts: a TP size this host's CPUs cannot bind is refused here
+        self._vllm_args = _vllm_slots(config, model_path) if vllm else {}
         self._init_ray()
         self._gpu = 1 if (config.device or "").startswith("cuda") else 0
-        vllm = config.engine == "vllm"
         self._remote = ray.remote(VllmWorkerActor if vllm else WorkerActor)
-        self._vllm_args = _vllm_slots(config, model_path) if vllm else {}
         self.actors: dict[str, list] = {"prefill": [], "decode": []}
         try:
             # vLLM decode servers are told their prefill peers when they start: where the
@@ -161,8 +162,13 @@ class Deployment:
 
     def _spawn(self, role: str, index: int):
         if self._vllm_args:
+            # the actor's vLLM server starts its ranks as its own child processes, so a
+            # worker's ranks are on one node; it holds the devices of all of them
             return self._remote.options(
-                resources={role: 1}, num_cpus=0, max_restarts=self.config.max_restarts
+                resources={role: 1},
+                num_cpus=0,
+                num_gpus=self._gpu * self.config.tp_size(role),
+                max_restarts=self.config.max_restarts,
             ).remote(
                 role,
                 self._worker_model,

@@ -172,11 +172,6 @@ class ServeConfig:
                 "overlap_transfer is verified with tensor-parallel sizes 1, 2 and 4 only "
                 f"(prefill {sizes[0]}, decode {sizes[1]}): turn it off or use one of those"
             )
-        if self.engine == "vllm" and tp > 1:
-            raise ValueError(
-                "tensor parallelism with engine vllm is not verified yet: serve vLLM "
-                "workers with tensor-parallel size 1"
-            )
         if self.engine == "vllm" and self.model == "tiny":
             raise ValueError(
                 "engine vllm serves a checkpoint folder: give --model PATH (vLLM's CPU "

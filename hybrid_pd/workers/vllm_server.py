@@ -42,28 +42,44 @@ def _ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999
 
 
-def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
-    """A port free on `host` now, for a server started later with it on its command line.
+def free_port(host: str = "127.0.0.1", attempts: int = 64, span: int = 1) -> int:
+    """A port free on `host` now, for a server started later with it on its command line;
+    with `span` > 1 the first of `span` consecutive ports all free now (a tensor-parallel
+    prefill server's connector serves rank r on port + r).
 
     Chosen below the kernel's ephemeral range where there is room: any port from that range
     (what binding port 0 gives) can be taken between this probe and the server's own bind
     by a process that binds port 0 or connects out, and vLLM's engine start does both while
     our connector's control server waits for its turn. A port below the range is taken
     only by a process that names it."""
+    if span < 1:
+        raise ValueError(f"span must be >= 1, got {span}")
     low, _ = _ephemeral_ports()
     if low - 1024 >= 2048:
         pick = random.SystemRandom()  # not the forked `random` state processes share
         for _ in range(attempts):
-            port = pick.randrange(max(1024, low - 16384), low)
-            with socket.socket() as s:
-                try:
-                    s.bind((host, port))
-                except OSError:
-                    continue
+            port = pick.randrange(max(1024, low - 16384), low - span + 1)
+            if all(_bindable(host, port + k) for k in range(span)):
                 return port
+    for _ in range(attempts):  # no room below the range: the kernel's picks
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if all(_bindable(host, port + k) for k in range(1, span)):
+            return port
+    raise OSError(f"no {span} consecutive free ports on {host} after {attempts} tries")
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether `port` on `host` can be bound now."""
+    if port > 65535:
+        return False
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def connector_config(role: str, extra: dict) -> dict:

@@ -31,10 +31,6 @@ def test_per_role_sizes_reach_the_worker_configs():
             r"1, decode 3\)",
         ),
         ({"tensor_parallel_size": 8, "overlap_transfer": True}, "prefill 8, decode 8"),
-        (
-            {"engine": "vllm", "model": "/m", "prefill_tensor_parallel_size": 2},
-            "engine vllm is not verified",
-        ),
     ],
 )
 def test_unverified_or_bad_sizes_are_refused(settings, message):
@@ -51,6 +47,12 @@ def test_overlap_with_verified_tp_sizes_is_taken(p_tp, d_tp):
         p_tp,
         d_tp,
     )
+
+
+def test_engine_vllm_takes_per_role_sizes():
+    config = ServeConfig(engine="vllm", model="/m", prefill_tensor_parallel_size=2)
+    assert (config.tp_size("prefill"), config.tp_size("decode")) == (2, 1)
+    assert config.engine_processes == 3
 
 
 def test_cli_refuses_per_role_sizes_without_disaggregation():
