@@ -26,6 +26,22 @@ def _pool(blocks: int, shape: tuple[int, ...], pad: int, gen) -> tuple[torch.Ten
 IDS = torch.tensor([6, 1, 4, 9, 3], dtype=torch.int64)  # any order, not contiguous
 
 
+def _same_as_gathered(step, buffer: torch.Tensor, view: torch.Tensor) -> None:
+    """`step(state, rows)` (a kernel call returning its output) on the pool's rows `IDS`
+    where they lie gives the output and the states it gives on a gathered copy, and leaves
+    every other block of the pool as it was."""
+    gathered = view.index_select(0, IDS)
+    start = gathered.clone()
+    out_gathered = step(gathered, None)
+    assert not torch.equal(gathered, start), "the step changed no state: it tests nothing"
+    before = buffer.clone()
+    out = step(view, IDS)
+    assert torch.equal(out, out_gathered)
+    assert torch.equal(view.index_select(0, IDS), gathered)
+    others = [i for i in range(len(buffer)) if i not in IDS.tolist()]
+    assert torch.equal(buffer[others], before[others])
+
+
 @pytest.mark.parametrize(("heads", "hd", "ns", "groups"), [(6, 16, 128, 2), (4, 8, 24, 1)])
 def test_ssd_step_in_the_pool_equals_the_step_on_gathered_rows(heads, hd, ns, groups):
     gen = torch.Generator().manual_seed(1)
@@ -36,17 +52,9 @@ def test_ssd_step_in_the_pool_equals_the_step_on_gathered_rows(heads, hd, ns, gr
     c = torch.randn(seqs, groups, ns, generator=gen)
     dt = torch.rand(seqs, heads, generator=gen) * 0.5
     a_coef = -torch.rand(heads, generator=gen) * 4
-    gathered = view.index_select(0, IDS)
-    y_gathered = cpu_kernels.ssd_step(x, dt, a_coef, b, c, gathered)
-    before = buffer.clone()
-    y = cpu_kernels.ssd_step(x, dt, a_coef, b, c, view, IDS)
-    assert torch.equal(y, y_gathered)
-    assert torch.equal(view.index_select(0, IDS), gathered)
-    expected = before.clone()
-    expected_view = expected[:, 5 : 5 + heads * hd * ns].unflatten(1, (heads, hd, ns))
-    expected_view.index_copy_(0, IDS, gathered)
-    assert torch.equal(buffer, expected)  # nothing else in the pool moved
-    assert not torch.equal(gathered, before[:, 5 : 5 + heads * hd * ns][IDS].view_as(gathered))
+    _same_as_gathered(
+        lambda state, rows: cpu_kernels.ssd_step(x, dt, a_coef, b, c, state, rows), buffer, view
+    )
 
 
 def test_gdn_step_in_the_pool_equals_the_step_on_gathered_rows():
@@ -58,14 +66,9 @@ def test_gdn_step_in_the_pool_equals_the_step_on_gathered_rows():
     v = torch.randn(seqs, hv, dv, generator=gen)
     g = -torch.rand(seqs, hv, generator=gen) * 6
     beta = torch.rand(seqs, hv, generator=gen)
-    gathered = view.index_select(0, IDS)
-    o_gathered = cpu_kernels.gdn_step(q, k, v, g, beta, gathered)
-    before = buffer.clone()
-    o = cpu_kernels.gdn_step(q, k, v, g, beta, view, IDS)
-    assert torch.equal(o, o_gathered)
-    assert torch.equal(view.index_select(0, IDS), gathered)
-    others = [i for i in range(10) if i not in IDS.tolist()]
-    assert torch.equal(buffer[others], before[others])
+    _same_as_gathered(
+        lambda state, rows: cpu_kernels.gdn_step(q, k, v, g, beta, state, rows), buffer, view
+    )
 
 
 def test_conv_step_in_the_pool_equals_the_step_on_gathered_rows():
@@ -75,14 +78,9 @@ def test_conv_step_in_the_pool_equals_the_step_on_gathered_rows():
     x = torch.randn(seqs, channels + 8, generator=gen)[:, :channels]  # rows a stride apart
     weight = torch.randn(channels, taps, generator=gen)
     bias = torch.randn(channels, generator=gen)
-    gathered = view.index_select(0, IDS)
-    out_gathered = cpu_kernels.conv_step_silu(gathered, x, weight, bias)
-    before = buffer.clone()
-    out = cpu_kernels.conv_step_silu(view, x, weight, bias, IDS)
-    assert torch.equal(out, out_gathered)
-    assert torch.equal(view.index_select(0, IDS), gathered)
-    others = [i for i in range(10) if i not in IDS.tolist()]
-    assert torch.equal(buffer[others], before[others])
+    _same_as_gathered(
+        lambda state, rows: cpu_kernels.conv_step_silu(state, x, weight, bias, rows), buffer, view
+    )
 
 
 def test_rows_out_of_the_pool_are_refused_before_any_write():
