@@ -165,7 +165,6 @@ class ServeConfig:
         for role in ("prefill", "decode"):
             if self.tp_size(role) < 1:
                 raise ValueError(f"{role} tensor-parallel size must be >= 1")
-        tp = max(self.tp_size("prefill"), self.tp_size("decode"))
         sizes = (self.tp_size("prefill"), self.tp_size("decode"))
         if self.overlap_transfer and any(n not in OVERLAP_TP_SIZES for n in sizes):
             raise ValueError(
