@@ -63,7 +63,7 @@ def test_rank_binds_on_fewer_cpus_than_ranks_never_pair_a_servers_own_ranks():
 
 def test_rank_binds_refuse_more_ranks_than_cpus_in_one_server():
     with pytest.raises(ValueError, match="tensor-parallel size 3 needs 3 CPUs on one node"):
-        rank_binds([0, 1], [3], where="node 10.0.0.2")
+        rank_binds([0, 1], [3], where="node 127.0.0.1")
 
 
 def test_tp_slots_size_their_ranks_ports_and_peers(tmp_path):
