@@ -254,9 +254,7 @@ class GatedDeltaNet(nn.Module):
         paged = state_rows_in_place(self.layer_name, batch, rows) if self.act is F.silu else None
         if paged is None:
             return None
-        (conv, state), ids = paged
-        if state.dtype is not torch.float32:
-            return None
+        (conv, state), ids = paged  # float32 (state_rows_in_place)
         weight = self.conv1d.weight[:, 0, :].float()
         mixed = cpu_kernels.conv_step_silu(conv, qkv.float(), weight, None, ids)
         if mixed is None:

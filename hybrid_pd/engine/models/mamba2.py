@@ -372,7 +372,7 @@ class Mamba2Mixer(nn.Module):
         paged = state_rows_in_place(self.name, batch, rows) if self.act is F.silu else None
         if paged is None:
             return None
-        (conv_view, ssm_view), ids = paged
+        (conv_view, ssm_view), ids = paged  # float32 (state_rows_in_place)
         weight = self.conv1d.weight[:, 0]
         out = cpu_kernels.conv_step_silu(conv_view, xbc, weight, self.conv1d.bias, ids)
         if out is None:
@@ -380,9 +380,8 @@ class Mamba2Mixer(nn.Module):
         x, b, c = self._split_heads(out)
         y = cpu_kernels.ssd_step(x, dt, a_coef, b, c, ssm_view, ids)
         if y is None:  # the conv states took the token: the SSD step on copies of the rows
-            h1 = ssm_view.index_select(0, ids).float()
-            y, h1 = _ssd_step(x, dt, a_coef, b, c, h1, in_place=True)
-            ssm_view.index_copy_(0, ids, h1.to(ssm_view.dtype))
+            y, h1 = _ssd_step(x, dt, a_coef, b, c, ssm_view.index_select(0, ids), in_place=True)
+            ssm_view.index_copy_(0, ids, h1)
         return (y + x * self.D.float()[:, None]).flatten(1)
 
     def _conv_step(self, conv_state: torch.Tensor, xbc: torch.Tensor) -> torch.Tensor:
