@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import signal
 import statistics
 import subprocess
@@ -76,7 +75,7 @@ class VllmPeer:
         env: dict[str, str],
         compiled: bool = False,
     ) -> None:
-        from hybrid_pd.workers.vllm_server import TCMALLOC, own_rpc_dir
+        from hybrid_pd.workers.vllm_server import TCMALLOC, own_temp_dir
 
         root = str(Path(__file__).resolve().parents[2])  # run this checkout's module
         full = dict(os.environ)
@@ -92,7 +91,7 @@ class VllmPeer:
         # vLLM's CPU build binds OpenMP threads only in its multiprocess executor (the in-process
         # one runs unbound, with stray busy threads), so the engine core keeps its own process.
         full.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-        self.rpc_dir = own_rpc_dir(full)  # removed by close()
+        self.temp_dir = own_temp_dir(full)  # removed by close()
         full.update(env)
         # HYBRID_PD_PEER_CPU_ISA=avx2: vLLM's own kernels held to AVX2 too (peer_site's doc)
         site = str(Path(__file__).with_name("peer_site"))
@@ -184,7 +183,9 @@ class VllmPeer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
             self.log.close()
-            shutil.rmtree(self.rpc_dir, ignore_errors=True)
+            from hybrid_pd.workers.vllm_server import remove_temp_dir
+
+            remove_temp_dir(self.temp_dir)
         # a run that ended well needs no log; a failed one named it in its error
         if self.proc.returncode == 0:
             Path(self.log.name).unlink(missing_ok=True)

@@ -11,16 +11,16 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from hybrid_pd.workers.vllm_guard import guarded, own_temp_dir, remove_temp_dir
 
 TCMALLOC = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -106,15 +106,6 @@ def parse_metrics(text: str, prefixes: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def own_rpc_dir(env: dict) -> Path:
-    """A new folder for a vLLM process's ZMQ sockets, set as VLLM_RPC_BASE_PATH in `env`.
-    By default they go to the system's temp folder, and a process stopped by signal leaves
-    them there; the caller removes the folder when the process has ended."""
-    folder = Path(tempfile.mkdtemp(prefix="hybrid-pd-vllm-rpc-"))
-    env["VLLM_RPC_BASE_PATH"] = str(folder)
-    return folder
-
-
 class VllmServer:
     """One vLLM server process: started at construction, `wait_ready` until it answers
     /health, `stop` to end it and remove what it left (log stays). `url`, `port` and an
@@ -178,7 +169,7 @@ class VllmServer:
             if Path(lib).exists():
                 full_env["LD_PRELOAD"] = lib
                 break
-        self.rpc_dir = own_rpc_dir(full_env)  # removed by stop()
+        self.temp_dir = own_temp_dir(full_env)  # removed by stop()
         full_env.update(env or {})
         self._args, self._env = args, full_env
         self._out = open(log, "w")  # closed in stop()
@@ -188,8 +179,10 @@ class VllmServer:
     def _launch(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # under the guard, which ends the server if this process dies without stop()
         self.proc = subprocess.Popen(
-            [*self._args, "--port", str(self.port)],
+            guarded([*self._args, "--port", str(self.port)], self.temp_dir),
+            stdin=subprocess.PIPE,
             stdout=self._out,
             stderr=subprocess.STDOUT,
             env=self._env,
@@ -239,7 +232,7 @@ class VllmServer:
         self._kill()
         self.client.close()
         self._out.close()
-        shutil.rmtree(self.rpc_dir, ignore_errors=True)
+        remove_temp_dir(self.temp_dir)
 
     def _kill(self) -> None:
         if self.proc.poll() is None:
@@ -250,3 +243,5 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        if self.proc.stdin is not None:  # the guard's pipe: its server has ended
+            self.proc.stdin.close()

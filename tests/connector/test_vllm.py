@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -79,16 +81,60 @@ def test_a_server_that_fails_to_start_is_started_once_more_and_its_root_cause_na
     try:
         with pytest.raises(RuntimeError) as err:
             start_all([server], timeout=30)
-        assert (server.rpc_dir / "engine-core-ipc").exists()
+        assert (server.temp_dir / "engine-core-ipc").exists()
     finally:
         server.stop()
-    assert not server.rpc_dir.exists()  # stop() removes what the server left there
+    assert not server.temp_dir.exists()  # stop() removes what the server left there
     message = str(err.value)
     assert "vLLM server exited (1)" in message
     first = message.split("--- last lines ---")[0]
     assert "OSError: [Errno 98] Address already in use" in first
     assert "Engine core initialization failed" not in first
     assert (tmp_path / "server.log").read_text().count("=== restarted ===") == 1
+
+
+def test_stop_removes_the_file_store_and_the_shared_memory_named_after_it(tmp_path):
+    """A tensor-parallel vLLM CPU server stopped by signal leaves its torch.distributed file
+    store in its temp folder and its communicator's segments in /dev/shm, named after the
+    store. stop() removes both, whether the server is still running or already gone, and
+    no segment of another server (another store's name)."""
+    import secrets
+
+    from hybrid_pd.workers.vllm_guard import SHM_DIR
+
+    own, other = (f"vllm_dist_{secrets.token_hex(16)}" for _ in range(2))
+    kept = SHM_DIR / f"{other}-tp:0-[0-1]-cpushm_0"
+    kept.touch()
+    fake = tmp_path / "python"
+    fake.write_text(  # what vLLM's TP-2 CPU server leaves, then serves until stopped
+        "#!/bin/sh\n"
+        f'touch "$TMPDIR/{own}"\n'
+        f'touch "{SHM_DIR}/{own}-tp:0-[0-1]-cpushm_0" "{SHM_DIR}/{own}-tp:0-[0-1]-cpushm_1"\n'
+        "exec sleep 600\n"
+    )
+    fake.chmod(0o755)
+    try:
+        for exits_first in (False, True):
+            server = Server(tmp_path / "model", tmp_path / "server.log", python=str(fake))
+            try:
+                for _ in range(200):  # until the fake has written its files (<= 20 s)
+                    if len(list(SHM_DIR.glob(f"{own}-*"))) == 2:
+                        break
+                    time.sleep(0.1)
+                assert (server.temp_dir / own).exists()
+                assert len(list(SHM_DIR.glob(f"{own}-*"))) == 2
+                if exits_first:  # a server that died on its own (killed, crashed)
+                    os.killpg(server.proc.pid, signal.SIGKILL)
+                    server.proc.wait(10)
+            finally:
+                server.stop()
+            assert list(SHM_DIR.glob(f"{own}-*")) == []
+            assert not server.temp_dir.exists()
+        assert kept.exists()
+    finally:
+        kept.unlink(missing_ok=True)
+        for segment in SHM_DIR.glob(f"{own}-*"):
+            segment.unlink()
 
 
 def test_free_port_is_below_the_ephemeral_range_and_free():

@@ -136,7 +136,7 @@ def pd(request, tmp_path_factory):
     finally:
         for server in servers:
             server.stop()
-            assert not server.rpc_dir.exists()  # vLLM's sockets went with it
+            assert not server.temp_dir.exists()  # vLLM's sockets went with it
 
 
 def _settle(server: Server, name: str, want: float, timeout: float = 20.0) -> dict:

@@ -1,0 +1,100 @@
+"""A tensor-parallel vLLM CPU server, stopped as `serve` stops it, leaves nothing behind:
+its ranks' communicator maps shared-memory segments named after the server's
+torch.distributed file store, and vLLM removes neither when it is stopped by signal.
+`VllmServer.stop` does (both lie where the server's own temp folder says), and so does the
+guard it starts the server under when the server's owner dies without stopping it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybrid_pd.bench.vllm_servers import Server, start_all
+from hybrid_pd.workers.vllm_guard import SHM_DIR
+from tests.vllm_connector import checkpoints
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_a_stopped_tp_server_leaves_no_shared_memory_nor_file_store(tmp_path):
+    model = checkpoints.granite_hybrid(tmp_path / "ckpt")
+    server = Server(
+        model, tmp_path / "server.log", dtype="float32", cpus="0|1", tensor_parallel_size=2
+    )
+    try:
+        start_all([server])
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0.0}
+        body["model"] = server.client.get("/v1/models").json()["data"][0]["id"]
+        assert len(server.complete(body)["choices"][0]["text"]) > 0
+        stores = [p.name for p in server.temp_dir.glob("vllm_dist_*")]
+        assert len(stores) == 1, f"one file store in the server's temp folder: {stores}"
+        segments = sorted(SHM_DIR.glob(f"{stores[0]}-*"))
+        assert segments, "the TP-2 server's communicator should have segments in /dev/shm"
+    finally:
+        server.stop()
+    assert [p for p in segments if p.exists()] == []
+    assert not server.temp_dir.exists()
+
+
+OWNER = """
+import sys, time
+from pathlib import Path
+from hybrid_pd.bench.vllm_servers import Server, start_all
+root = Path(sys.argv[1])
+server = Server(root / "ckpt", root / "owned.log", dtype="float32", cpus="0|1",
+                tensor_parallel_size=2)
+start_all([server])
+print(server.proc.pid, server.temp_dir, flush=True)
+time.sleep(900)
+"""
+
+
+def _group(pgid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, NotADirectoryError):
+            continue
+        if entry.name.isdigit() and int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_tp_server_whose_owner_dies_is_stopped_and_cleaned_up(tmp_path):
+    """The owner (as a Ray actor would be) is SIGKILLed without stopping its server: the
+    server's whole process group ends, and its temp folder and shared memory go."""
+    checkpoints.granite_hybrid(tmp_path / "ckpt")
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    group: list[int] = []
+    try:
+        line = owner.stdout.readline().split()
+        assert line, f"the owner did not start its server: {owner.wait(60)}"
+        pgid, temp_dir = int(line[0]), Path(line[1])
+        group = _group(pgid)
+        assert len(group) >= 4, f"guard, API server, engine core, 2 ranks: {group}"
+        stores = [p.name for p in temp_dir.glob("vllm_dist_*")]
+        assert len(stores) == 1, f"one file store in the server's temp folder: {stores}"
+        segments = sorted(SHM_DIR.glob(f"{stores[0]}-*"))
+        assert segments, "the TP-2 server's communicator should have segments in /dev/shm"
+        owner.kill()
+        owner.wait(10)
+        deadline = time.monotonic() + 90
+        while _group(pgid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _group(pgid) == [], "the server's processes outlived their owner"
+        assert [p for p in segments if p.exists()] == []
+        assert not temp_dir.exists()
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        for pid in _group(group[0]) if group else []:
+            os.kill(pid, signal.SIGKILL)
