@@ -148,6 +148,24 @@ class VllmWorkerActor:
             raise
         self.control_address = f"{host}:{control_port}" if role == "prefill" else ""
         self.worker = VllmWorker(self.server.url, role, model, host=host, secret=secret)
+        self.server.watch(self._server_ended)
+
+    def _server_ended(self, code: int) -> None:
+        """The vLLM server ended by itself (it crashed, or one of its tensor-parallel ranks
+        died and vLLM stopped it): this actor ends too, at once, so that its requests
+        migrate or retry elsewhere and Ray (or `serve`'s supervisor) re-creates the worker
+        whole, with a fresh server. Staying up would leave a worker that answers nothing."""
+        import logging
+        import os
+
+        logging.getLogger(__name__).critical(
+            "%s: its vLLM server exited (code %s): this worker stops\n%s",
+            self.name,
+            code,
+            self.server.first_error(),
+        )
+        logging.shutdown()
+        os._exit(70)
 
     def __repr__(self) -> str:
         return self.name
@@ -163,7 +181,11 @@ class VllmWorkerActor:
         """What the launcher logs and checks: the server must answer."""
         r = self.server.client.get("/health", timeout=5.0)
         r.raise_for_status()
-        return {"engine_id": self.worker.engine_id, "vllm_url": self.server.url}
+        return {
+            "engine_id": self.worker.engine_id,
+            "vllm_url": self.server.url,
+            "server_pid": self.server.proc.pid,  # its process group's id too
+        }
 
     def shutdown(self) -> None:
         self.worker.close()

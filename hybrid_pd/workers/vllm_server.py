@@ -15,7 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -174,6 +176,7 @@ class VllmServer:
         self._args, self._env = args, full_env
         self._out = open(log, "w")  # closed in stop()
         self._log_from = 0  # where this start's lines begin in the log (bytes)
+        self._stopping = False  # set by stop(): the process's end is no surprise
         self._launch()
 
     def _launch(self) -> None:
@@ -228,7 +231,21 @@ class VllmServer:
         self._out.flush()
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
+    def watch(self, on_exit: Callable[[int], None]) -> None:
+        """Call `on_exit(returncode)` from a thread of its own when the server process ends
+        by itself (a crash, a rank that died and took the server with it); not when `stop`
+        ended it. Watches the process running now (a restart is not followed)."""
+        proc = self.proc
+
+        def wait() -> None:
+            code = proc.wait()
+            if not self._stopping:
+                on_exit(code)
+
+        threading.Thread(target=wait, name="vllm-server-watch", daemon=True).start()
+
     def stop(self) -> None:
+        self._stopping = True
         self._kill()
         self.client.close()
         self._out.close()

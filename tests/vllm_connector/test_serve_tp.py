@@ -65,3 +65,10 @@ def test_serve_tp_pools_hand_over(tmp_path, prefill_tp, decode_tp):
     want = rank_binds(cpus, [prefill_tp, decode_tp])
     assert result["cpus"] == {"prefill-0": want[0], "decode-0": want[1]}
     assert all(len(set(b.split("|"))) == len(b.split("|")) for b in want)
+
+
+def test_a_tp_prefill_rank_killed_takes_its_worker_down_and_it_comes_back_whole(tmp_path):
+    """test_serve_rank_death.py's scenario with a TP-2 prefill server: its rank 1 killed."""
+    from tests.vllm_connector.test_serve_rank_death import run_rank_death
+
+    run_rank_death(tmp_path, prefill_tp=2)

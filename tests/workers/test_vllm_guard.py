@@ -101,3 +101,32 @@ def test_the_guard_ends_as_its_server_ended(tmp_path):
             guarded(["sh", "-c", script], tmp_path / "t"), stdin=subprocess.PIPE, timeout=30
         )
         assert proc.returncode == want, script
+
+
+def test_watch_reports_a_server_that_ends_by_itself_and_not_one_that_is_stopped(tmp_path):
+    """`VllmServer.watch`: what makes `serve`'s vLLM worker end (and be re-created) when its
+    server dies under it, as a rank that dies takes vLLM's server down."""
+    import threading
+
+    from hybrid_pd.workers.vllm_server import VllmServer
+
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\nwhile [ ! -e {tmp_path}/die ]; do sleep 0.05; done\nexit 9\n")
+    fake.chmod(0o755)
+    for dies in (True, False):
+        ended: list[int] = []
+        called = threading.Event()
+        server = VllmServer(tmp_path / "model", tmp_path / "server.log", python=str(fake))
+        try:
+            server.watch(
+                lambda code, ended=ended, called=called: (ended.append(code), called.set())
+            )
+            if dies:
+                (tmp_path / "die").touch()
+                assert called.wait(30), "the watch did not report the server's end"
+                assert ended == [9]
+        finally:
+            server.stop()
+            (tmp_path / "die").unlink(missing_ok=True)
+        time.sleep(0.5)  # a report from a stop would come now
+        assert ended == ([9] if dies else [])
