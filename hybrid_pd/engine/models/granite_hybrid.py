@@ -266,6 +266,9 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(s, name)
         self.block_sparse_moe = SparseMoE(s) if s.n_experts > 0 else None
         self.shared_mlp = SharedMLP(s.hidden, s.shared_inter, s.act)
+        # The feed-forward sum (shared MLP + MoE): with tensor parallelism each rank holds a
+        # partial sum of it, all-reduced here once (a hook) rather than once per branch.
+        self.feed_forward_sum = nn.Identity()
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self.input_layernorm(h)
@@ -275,7 +278,7 @@ class DecoderLayer(nn.Module):
         y = self.shared_mlp(x)
         if self.block_sparse_moe is not None:
             y = self.block_sparse_moe(x) + y
-        return h + y * self.residual_multiplier
+        return h + self.feed_forward_sum(y) * self.residual_multiplier
 
 
 class _Backbone(nn.Module):

@@ -12,7 +12,8 @@ def plan(cfg: dict, size: int) -> base.TPPlan:
     rules, _ = base.split_attention(text, size)
     mamba, groups, inner = base.split_mamba2_expand(text, size, r".*\.mamba")
     rules += mamba
-    reduce = [r".*\.self_attn\.o_proj", r".*\.mamba\.out_proj", r".*\.shared_mlp"]
+    # the shared MLP's and the MoE's partial sums added first, then all-reduced once
+    reduce = (r".*\.self_attn\.o_proj", r".*\.mamba\.out_proj", r".*\.feed_forward_sum")
     shared = base.split_width(text, "shared_intermediate_size", size, 1024)
     rules += (
         (r".*\.shared_mlp\.input_linear\.weight", Split(0, (Seg(shared), Seg(shared)))),
@@ -24,6 +25,5 @@ def plan(cfg: dict, size: int) -> base.TPPlan:
             (r".*\.block_sparse_moe\.input_linear\.weight", Split(1, (Seg(inter), Seg(inter)))),
             (r".*\.block_sparse_moe\.output_linear\.weight", Split(2, (Seg(inter),))),
         )
-        reduce.append(r".*\.block_sparse_moe")
     patch = base.span_mamba2_norms(groups, inner) if groups < size else None
-    return base.TPPlan(size, rank, ParamRules(rules), tuple(reduce), patch)
+    return base.TPPlan(size, rank, ParamRules(rules), reduce, patch)
