@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from hybrid_pd.connector.onesided import ENV as ONESIDED_ENV
+from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.launcher.local import start_worker
 from hybrid_pd.proxy.worker_client import WorkerClient
 from tests.engine.test_tp import tp_tokens
@@ -36,7 +37,6 @@ from tests.proxy.test_tp_faults import _children, _cmdline
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-TP2 = ("--tensor-parallel-size", "2")
 CHUNK = "32"  # the prefill workers' step: a prompt of PROMPT_LEN takes a dozen
 PROMPT_LEN = 384
 N_NEW = 12
@@ -54,20 +54,21 @@ class TPFleet:
         self.env = {"HYBRID_PD_CACHE": str(cache_dir), ONESIDED_ENV: "1" if one_sided else "0"}
         self.procs = []
 
-    def start_all(self, *roles: str) -> list:
-        """One TP-2 worker per role, side by side; prefill workers step CHUNK tokens at a
-        time and slowly while a decode leg follows them."""
+    def start_all(self, *specs: tuple[str, int]) -> list:
+        """One worker per (role, TP size), side by side; prefill workers step CHUNK tokens
+        at a time and slowly while a decode leg follows them."""
 
-        def one(role: str):
+        def one(role: str, tp: int):
             args = ["--model", str(self.tiny_path), "--kv-memory", KV_MEMORY, "--threads", "1"]
             env = dict(self.env)
             if role == "prefill":
                 args += ["--max-num-batched-tokens", CHUNK]
                 env["HYBRID_PD_INJECT_FAULT"] = f"slow_prefill:{SLOW}"
-            return start_worker(role, *args, *TP2, env=env, timeout=120)
+            tp_args = ("--tensor-parallel-size", str(tp))
+            return start_worker(role, *args, *tp_args, env=env, timeout=120)
 
-        with ThreadPoolExecutor(len(roles)) as ex:
-            starts = [ex.submit(one, r) for r in roles]
+        with ThreadPoolExecutor(len(specs)) as ex:
+            starts = [ex.submit(one, *spec) for spec in specs]
         self.procs += [f.result() for f in starts if f.exception() is None]
         for f in starts:
             if f.exception() is not None:
@@ -82,11 +83,17 @@ class TPFleet:
             p.stop()
 
 
-@pytest.fixture(params=[True, False], ids=["one-sided", "two-sided"])
+@pytest.fixture
 def fleet(request, tiny_path, cache_dir):
-    f = TPFleet(tiny_path, cache_dir, one_sided=request.param)
+    """A TPFleet, one-sided unless the test's `one_sided` parameter says otherwise."""
+    f = TPFleet(tiny_path, cache_dir, one_sided=getattr(request, "param", True))
     yield f
     f.close()
+
+
+ONE_AND_TWO_SIDED = pytest.mark.parametrize(
+    "fleet", [True, False], ids=["one-sided", "two-sided"], indirect=True
+)
 
 
 def stats_of(worker) -> dict:
@@ -153,13 +160,22 @@ def staged_pulls(worker, side: str) -> int:
         return -1
 
 
-def test_prefill_rank_killed_while_staged_retries_elsewhere(fleet, tiny_path):
-    """Two TP-2 prefill workers and a TP-2 decode worker, overlapped. Once a prefill worker
-    has served staged pulls and still prefills (the proxy waits for its reply), its follower
-    rank is killed: the worker exits 70, its prefills are retried on the other prefill
-    worker, and every answer equals a TP-2 engine's. The decode worker, which had staged
-    blocks of the dead worker's prompts, ends with every block free, as does the survivor."""
-    pre_a, pre_b, dec = fleet.start_all("prefill", "prefill", "decode")
+@pytest.mark.parametrize(
+    ("fleet", "other_tp"),
+    [(True, 2), (False, 2), (True, 1)],
+    ids=["one-sided", "two-sided", "other-tp1"],
+    indirect=["fleet"],
+)
+def test_prefill_rank_killed_while_staged_retries_elsewhere(fleet, other_tp, tiny_path, reference):
+    """Two prefill workers (TP 2 and `other_tp`) and a TP-2 decode worker, overlapped. Once
+    a TP-2 prefill worker has served staged pulls and still prefills (the proxy waits for
+    its reply), its follower rank is killed: the worker exits 70, its prefills are retried
+    on the other prefill worker, and every answer equals a TP-2 engine's. The decode
+    worker, which had staged blocks of the dead worker's prompts, ends with every block
+    free, as does the survivor. With `other_tp` 1 the retried prompts are handed over from
+    one rank to two (another plan than the dead worker's); this checkpoint's tokens for
+    these prompts are the same at TP 1 and TP 2, which the test checks first."""
+    pre_a, pre_b, dec = fleet.start_all(("prefill", 2), ("prefill", other_tp), ("decode", 2))
     proxy = make_proxy(
         tiny_path,
         prefill_addresses=(pre_a.address, pre_b.address),
@@ -169,7 +185,12 @@ def test_prefill_rank_killed_while_staged_retries_elsewhere(fleet, tiny_path):
     prompts = [prompt(500 + i, PROMPT_LEN) for i in range(3)]
     want = tp_tokens(tiny_path, 2, [prompts], N_NEW, max_batched_tokens=2048)["tokens"][0]
     assert len({t for w in want for t in w}) >= 8, "reference output does not vary"
+    if other_tp == 1:
+        params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+        assert [o.token_ids for o in reference.generate(prompts, params)] == want
     prefills = {pre_a.address: pre_a, pre_b.address: pre_b}
+    if other_tp != 2:
+        prefills.pop(pre_b.address)  # only a TP-2 worker has a follower rank to kill
     try:
         threads, results = post_all(proxy.url, prompts)
         deadline = time.monotonic() + 90
@@ -215,13 +236,14 @@ def test_prefill_rank_killed_while_staged_retries_elsewhere(fleet, tiny_path):
     assert staged_pulls(dec, "decode") >= staged_before
 
 
+@ONE_AND_TWO_SIDED
 def test_decode_rank_killed_while_staging_hands_over_to_another(fleet, tiny_path):
     """A TP-2 prefill worker and two TP-2 decode workers, overlapped. Once a decode worker
     has staged pulls and the prompts still prefill, its follower rank is killed: the worker
     exits 70, its staged legs fail before a token of their own, and ordinary decode legs
     on the other decode worker take the prefill's kept KV. Every answer equals a TP-2
     engine's; the prefill worker and the surviving decode worker keep nothing."""
-    pre, dec_a, dec_b = fleet.start_all("prefill", "decode", "decode")
+    pre, dec_a, dec_b = fleet.start_all(("prefill", 2), ("decode", 2), ("decode", 2))
     proxy = make_proxy(
         tiny_path,
         prefill_addresses=(pre.address,),
