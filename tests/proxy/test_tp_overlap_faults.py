@@ -8,9 +8,12 @@ still answered with exactly the tokens of one engine, and no surviving worker ke
 - A TP-2 decode worker loses its follower while it pulls staged blocks: the staged legs
   fail before a token of their own and ordinary decode legs on the other decode worker take
   the prefill's kept KV.
+- A TP-2 prefill worker loses its follower while kept KV of finished prompts waits for a
+  busy decode worker: the staged legs waiting for it fail, and the legs that replace them
+  recompute on the decode worker.
 
-Each runs with pulls read by the decode worker (one-sided, the default) and sent by the
-prefill worker (two-sided). Every worker has two ranks and the reference is an engine of
+The first two run with pulls read by the decode worker (one-sided, the default) and sent
+by the prefill worker (two-sided). Every worker has two ranks and the reference is an engine of
 two ranks, as in test_tp_faults.py: between TP sizes the row-parallel sums add in another
 order, which can move a near-tie (docs/architecture.md, "Tensor parallelism")."""
 
@@ -29,6 +32,7 @@ from hybrid_pd.connector.onesided import ENV as ONESIDED_ENV
 from hybrid_pd.engine.sampling import SamplingParams
 from hybrid_pd.launcher.local import start_worker
 from hybrid_pd.proxy.worker_client import WorkerClient
+from tests.connector.pd_fixtures import tp_layout
 from tests.engine.test_tp import tp_tokens
 from tests.proxy.conftest import KV_MEMORY, assert_no_leaks, make_proxy
 from tests.proxy.test_failures import metric
@@ -54,16 +58,20 @@ class TPFleet:
         self.env = {"HYBRID_PD_CACHE": str(cache_dir), ONESIDED_ENV: "1" if one_sided else "0"}
         self.procs = []
 
-    def start_all(self, *specs: tuple[str, int]) -> list:
+    def start_all(
+        self, *specs: tuple[str, int], decode_kv_memory: str = KV_MEMORY, slow: str = SLOW
+    ) -> list:
         """One worker per (role, TP size), side by side; prefill workers step CHUNK tokens
-        at a time and slowly while a decode leg follows them."""
+        at a time, each step `slow` seconds longer while a decode leg follows them.
+        `decode_kv_memory`: each decode rank's pool."""
 
         def one(role: str, tp: int):
-            args = ["--model", str(self.tiny_path), "--kv-memory", KV_MEMORY, "--threads", "1"]
+            memory = decode_kv_memory if role == "decode" else KV_MEMORY
+            args = ["--model", str(self.tiny_path), "--kv-memory", memory, "--threads", "1"]
             env = dict(self.env)
             if role == "prefill":
                 args += ["--max-num-batched-tokens", CHUNK]
-                env["HYBRID_PD_INJECT_FAULT"] = f"slow_prefill:{SLOW}"
+                env["HYBRID_PD_INJECT_FAULT"] = f"slow_prefill:{slow}"
             tp_args = ("--tensor-parallel-size", str(tp))
             return start_worker(role, *args, *tp_args, env=env, timeout=120)
 
@@ -123,15 +131,16 @@ def follower(worker) -> int:
     return ranks[0]
 
 
-def post_all(url: str, prompts: list[list[int]]):
-    """POST one completion per prompt, each from its own thread: (threads, results), where
-    results[i] becomes prompt i's response (or the exception its post raised)."""
+def post_all(url: str, prompts: list[list[int]], n_new: int = N_NEW):
+    """POST one completion per prompt (`n_new` tokens), each from its own thread: (threads,
+    results), where results[i] becomes prompt i's response (or the exception its post
+    raised)."""
     results: list = [None] * len(prompts)
 
     def run(i: int) -> None:
         try:
             with httpx.Client(base_url=url, timeout=180) as c:
-                results[i] = c.post("/v1/completions", json=body_for(prompts[i], N_NEW))
+                results[i] = c.post("/v1/completions", json=body_for(prompts[i], n_new))
         except Exception as e:  # reported by the assertions on results
             results[i] = e
 
@@ -288,3 +297,52 @@ def test_decode_rank_killed_while_staging_hands_over_to_another(fleet, tiny_path
     survivor = dec_b if victim is dec_a else dec_a
     assert_no_leaks([pre, survivor])
     assert_pulled_as_asked(fleet, pre)
+
+
+def test_prefill_rank_killed_with_kept_kv_unpulled_recomputes(fleet, tiny_path, reference):
+    """A TP-2 prefill worker (not slowed) and a TP-2 decode worker whose pool holds one
+    request at a time, overlapped: the prompts' staged loads take turns, so prompts the
+    prefill worker has finished wait there, kept, while decode serves another. Then the
+    prefill worker's follower is killed: a waiting staged leg fails before a token of its
+    own, the ordinary leg that replaces it cannot pull from the dead worker and recomputes
+    prompt + first token on the decode worker. Every answer equals a TP-2 engine's; the
+    decode worker ends with every block free."""
+    n_new = 150  # each request holds the decode worker a while: the kept KV waits
+    page = tp_layout(tiny_path, reference.kv_config, 2).page_size_bytes
+    pre, dec = fleet.start_all(
+        ("prefill", 2), ("decode", 2), decode_kv_memory=str(page * 18), slow="0"
+    )
+    assert stats_of(dec)["num_blocks"] == 18  # room for one prompt of PROMPT_LEN + n_new
+    proxy = make_proxy(
+        tiny_path,
+        prefill_addresses=(pre.address,),
+        decode_addresses=(dec.address,),
+        overlap_transfer=True,
+    )
+    prompts = [prompt(800 + i, PROMPT_LEN) for i in range(3)]
+    want = tp_tokens(tiny_path, 2, [prompts], n_new, max_batched_tokens=2048)["tokens"][0]
+    assert len({t for w in want for t in w}) >= 8, "reference output does not vary"
+    try:
+        threads, results = post_all(proxy.url, prompts, n_new)
+        deadline = time.monotonic() + 90
+        while True:  # every prefill answered, and some kept KV not yet pulled
+            assert time.monotonic() < deadline, "no kept KV waited for the decode worker"
+            assert any(t.is_alive() for t in threads), "every request ended before the kill"
+            time.sleep(0.02)
+            snap = {w["address"]: w for w in proxy.pool.snapshot()}
+            if snap[pre.address]["outstanding_prefills"] == 0 and stats_of(pre)["leases"] > 0:
+                break
+        os.kill(follower(pre), signal.SIGKILL)
+        got = answers(threads, results)
+        assert got == want, [
+            next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), None)
+            for g, w in zip(got, want, strict=True)
+        ]
+        text = httpx.get(proxy.url + "/metrics").text
+        assert metric(text, 'hybrid_pd_proxy_failures_total{kind="staged_fallback"}') >= 1
+        assert metric(text, 'hybrid_pd_proxy_kv_transfers_total{result="recomputed"}') >= 1
+    finally:
+        proxy.stop()
+        proxy.pool.close()
+    assert pre.proc.wait(timeout=30) == 70  # the worker went down with its rank
+    assert_no_leaks([dec])
