@@ -38,6 +38,24 @@ def compare(got: list, want: list, proxy_metrics: str) -> dict:
     }
 
 
+def run_isolated(tmp_path: Path, module: str, *args: str, timeout: float = 900) -> dict:
+    """Run scenario `module` (`python -m`, with `args`) in a network namespace of its own
+    (only loopback, brought up) under this Python; its last JSON line, parsed. Fails with
+    the end of its stderr when it exits non-zero or prints none."""
+    import os
+    import subprocess
+
+    cmd = [
+        "unshare", "-n", "--", "sh", "-c",
+        f"ip link set lo up && exec {sys.executable} -m {module} {' '.join(args)}",
+    ]  # fmt: skip
+    env = {**os.environ, "HYBRID_PD_CACHE": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     import httpx
     import ray

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+
+from tests.vllm_connector.serve_scenario import run_isolated
 
 pytestmark = [
     pytest.mark.slow,
@@ -27,16 +27,9 @@ pytestmark = [
 
 def run_rank_death(tmp_path, prefill_tp: int) -> dict:
     """The scenario's JSON, checked: see the module's doc."""
-    cmd = [
-        "unshare", "-n", "--", "sh", "-c",
-        f"ip link set lo up && exec {sys.executable} -m"
-        f" tests.vllm_connector.serve_rank_death_scenario --prefill-tp {prefill_tp}",
-    ]  # fmt: skip
-    env = {**os.environ, "HYBRID_PD_CACHE": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1])
+    result = run_isolated(
+        tmp_path, "tests.vllm_connector.serve_rank_death_scenario", f"--prefill-tp {prefill_tp}"
+    )
     assert result["ranks"] == prefill_tp, result
     assert result["recreated"], f"the worker was not re-created: {result}"
     assert result["old_group_left"] == [], "the dead server's processes outlived it"

@@ -10,15 +10,13 @@ runs TP 2 -> 1 and TP 1 -> 2, about 80 s each on two cores."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from hybrid_pd.launcher.vllm_slots import rank_binds
+from tests.vllm_connector.serve_scenario import run_isolated
 
 pytestmark = [
     pytest.mark.slow,
@@ -34,17 +32,13 @@ PAIRS = [(2, 1), (1, 2)]
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), PAIRS)
 def test_serve_tp_pools_hand_over(tmp_path, prefill_tp, decode_tp):
-    cmd = [
-        "unshare", "-n", "--", "sh", "-c",
-        f"ip link set lo up && exec {sys.executable} -m tests.vllm_connector.serve_scenario"
-        f" --family granite --prefill-tp {prefill_tp} --decode-tp {decode_tp} --max-tokens 8"
-        f" --lengths {','.join(map(str, LENGTHS))}",
-    ]  # fmt: skip
-    env = {**os.environ, "HYBRID_PD_CACHE": str(tmp_path), "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1])
+    result = run_isolated(
+        tmp_path,
+        "tests.vllm_connector.serve_scenario",
+        f"--family granite --prefill-tp {prefill_tp} --decode-tp {decode_tp} --max-tokens 8",
+        f"--lengths {','.join(map(str, LENGTHS))}",
+        timeout=600,
+    )
     assert result["distinct"], "random weights too flat to tell"
     assert result["equal"], result
     n = len(LENGTHS)
