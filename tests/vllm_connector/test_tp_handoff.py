@@ -7,7 +7,8 @@ build lays them out (`tp_caches`), the loads given as vLLM's scheduler gives the
 Checked: every decode rank's caches equal its shard at its own size, byte for byte; each
 decode rank pulled from the prefill ranks holding its pieces; a prefill rank reports the
 request sent (its blocks freed) only once every decode rank reading from it released it;
-without one-sided reads, or with rows that do not map, the load fails saying why.
+without one-sided reads, or with rows that do not map, the load fails saying why; an idle
+step waits on every rank, a rank with nothing in flight too.
 """
 
 from __future__ import annotations
