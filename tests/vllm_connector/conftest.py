@@ -9,9 +9,8 @@ if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]
 
 # Tensor-parallel vLLM servers take minutes per request on a 2-core machine (test_tp.py),
-# and a decode server's step sometimes reports a finished pull a minute late there (not
-# understood yet; test_serve_tp.py failed 2 of 6 runs on it, past the proxy's 60 s stream
-# idle timeout): collected only when asked for, so the suite that runs everything else
-# skips nothing.
+# their ranks sharing the cores (docs/vllm.md, "Tensor parallelism", says what that cost
+# before idle steps waited on every rank): collected only when asked for, so the suite that
+# runs everything else skips nothing.
 if os.environ.get("HYBRID_PD_VLLM_TP") != "1":
     collect_ignore = [*globals().get("collect_ignore", []), "test_tp.py", "test_serve_tp.py"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="7,90,300")
     args = parser.parse_args(argv)
     build = {"gemma3": checkpoints.gemma3, "granite": checkpoints.granite_hybrid}[args.family]
-    model = build(Path(tempfile.mkdtemp(prefix="hpd-vllm-serve-")) / "ckpt")
+    folder = Path(tempfile.mkdtemp(prefix="hpd-vllm-serve-"))  # removed at the end
+    model = build(folder / "ckpt")
     config = ServeConfig(
         engine="vllm",
         model=str(model),
@@ -132,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         result["run_s"] = round(time.monotonic() - started, 1)
     finally:
         dep.close()
+        shutil.rmtree(folder, ignore_errors=True)
     print(json.dumps(result))
     return 0
 

@@ -7,13 +7,15 @@ build lays them out (`tp_caches`), the loads given as vLLM's scheduler gives the
 Checked: every decode rank's caches equal its shard at its own size, byte for byte; each
 decode rank pulled from the prefill ranks holding its pieces; a prefill rank reports the
 request sent (its blocks freed) only once every decode rank reading from it released it;
-without one-sided reads, or with rows that do not map, the load fails saying why.
+without one-sided reads, or with rows that do not map, the load fails saying why; an idle
+step waits on every rank, a rank with nothing in flight too.
 """
 
 from __future__ import annotations
 
 import secrets
 import socket
+import threading
 import time
 
 import pytest
@@ -21,6 +23,7 @@ import torch
 
 from hybrid_pd.api.params import KVTransferParams
 from hybrid_pd.connector.prefill import handover_params
+from hybrid_pd.connector.vllm import worker
 from hybrid_pd.connector.vllm.metadata import HybridPDMetadata, Load, Send
 from hybrid_pd.connector.vllm.options import ConnectorOptions
 from hybrid_pd.connector.vllm.plan import VllmPlan
@@ -213,5 +216,36 @@ def test_a_prefill_rank_whose_caches_are_not_as_described_refuses_the_handshake(
         error = ranks.load(0, ranks.keep())
         assert "refused the handshake" in error and "not mapped between TP sizes" in error
         assert ranks.prefill[0].prefill.stats_snapshot()["read_pulls"] == 0
+    finally:
+        ranks.close()
+
+
+def test_an_idle_step_waits_on_every_rank(one_sided, monkeypatch):
+    """vLLM steps a server idle until every rank has reported its hand-offs ended. Prefill
+    rank 1 still keeps a request, rank 0 keeps none (its decode reader released it): on an
+    idle step both answer only after IDLE_WAIT_S, rank 1 at once when its lease ends. A
+    rank that answered at once would spin in vLLM's loop until the next step, on the core
+    it is bound to (TP 2 -> 1 on two CPUs: the core of the decode server's rank)."""
+    monkeypatch.setattr(worker, "IDLE_WAIT_S", 2.0)  # long enough to tell the cases apart
+    ranks = _Ranks(2, 1)
+    try:
+        kept = tuple(tuple(SRC_BLOCKS) for _ in ranks.kinds)
+        holder = ranks.prefill[1]
+        holder.apply(HybridPDMetadata(sends=[Send(RID, "tok", kept)]))
+        steps = {}
+        for p, w in enumerate(ranks.prefill + ranks.decode):
+            w.apply(HybridPDMetadata(idle=True))
+            t0 = time.monotonic()
+            if w is holder:  # its lease ends 0.3 s into the wait
+                threading.Timer(0.3, holder.prefill.release, (RID, "tok")).start()
+            res = w.results()
+            steps[p] = (time.monotonic() - t0, sorted(res.finished_sending))
+        assert steps[0][0] >= 1.9 and steps[2][0] >= 1.9, steps  # prefill 0, decode 0
+        assert 0.25 < steps[1][0] < 1.5 and steps[1][1] == [RID], steps
+        # a step that computes does not wait
+        ranks.prefill[0].apply(HybridPDMetadata(idle=False))
+        t0 = time.monotonic()
+        ranks.prefill[0].results()
+        assert time.monotonic() - t0 < 1.0
     finally:
         ranks.close()

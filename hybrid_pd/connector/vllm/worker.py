@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 #: starts alongside this one answers within a few minutes).
 _DIAL_TRIES = 300
 _DIAL_PERIOD_S = 1.0
-#: How long an idle step waits for a transfer to end before it reports (see `results`).
+#: How long an idle step waits for one of this rank's transfers to end before it reports
+#: (see `results`).
 IDLE_WAIT_S = 0.005
 
 
@@ -71,7 +72,6 @@ class WorkerHalf:
         self._ended = threading.Event()
         #: Whether this step computes nothing (`HybridPDMetadata.idle`).
         self.idle = False
-        self._loads_running = 0
         #: Timeline: loads running, this server's request id -> the prefill's.
         self._loading: dict[str, str] = {}
         self.sources = RankSources(layout, rank, plan.views)
@@ -165,7 +165,6 @@ class WorkerHalf:
             self.decode.start_load_kv(
                 ld.request_id, ld.params, ld.block_ids, sources=self.sources.sources
             )
-            self._loads_running += 1
         for params in meta.drops:
             if self.decode is None:
                 continue
@@ -191,18 +190,15 @@ class WorkerHalf:
                 pass  # the pull fails, saying why
         return dataclasses.replace(params, control_address=address)
 
-    def _in_flight(self) -> bool:
-        """Hand-offs under way here: loads running, or blocks kept for a decode server."""
-        if self.decode is not None and self._loads_running > 0:
-            return True
-        return self.prefill is not None and self.prefill.num_leases > 0
-
     def results(self) -> KVConnectorTransferResults:
-        """What ended since the last step. An idle step while hand-offs are in flight
-        first waits up to IDLE_WAIT_S for one to end (woken at once when it does): vLLM
-        steps idle in a loop then, and its worker would spin on a core between those
-        steps, the core our transfer threads need to finish them."""
-        if self.idle and self._in_flight():
+        """What ended since the last step. An idle step first waits up to IDLE_WAIT_S for
+        one of this rank's transfers to end (woken at once when one does), whether or not
+        this rank has one in flight. vLLM steps idle in a loop while any hand-off is in
+        flight, and until every rank has reported its own ended: a rank that answered at
+        once would spin in vLLM's loop until the next step, on the core it is bound to.
+        With servers sharing cores that starved the other server's rank on that core, and
+        with it the Release that would have ended the loop, until the lease expired."""
+        if self.idle:
             self._ended.wait(IDLE_WAIT_S)
         self._ended.clear()
         res = KVConnectorTransferResults()
@@ -212,7 +208,6 @@ class WorkerHalf:
                 res.finished_sending, self._sent = self._sent, set()
         if self.decode is not None:
             for r in self.decode.get_finished():
-                self._loads_running -= 1
                 res.finished_recving.add(r.request_id)
                 if self._loading:
                     timeline.stamp(self._loading.pop(r.request_id, r.request_id), "reported")
