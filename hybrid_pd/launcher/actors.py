@@ -164,8 +164,11 @@ class VllmWorkerActor:
             code,
             self.server.first_error(),
         )
-        logging.shutdown()
-        os._exit(70)
+        try:  # what the dead server left (its temp folder, a TP server's shared memory)
+            self.server.stop()
+        finally:
+            logging.shutdown()
+            os._exit(70)
 
     def __repr__(self) -> str:
         return self.name
@@ -185,6 +188,7 @@ class VllmWorkerActor:
             "engine_id": self.worker.engine_id,
             "vllm_url": self.server.url,
             "server_pid": self.server.proc.pid,  # its process group's id too
+            "server_temp_dir": str(self.server.temp_dir),  # what stop() removes
         }
 
     def shutdown(self) -> None:

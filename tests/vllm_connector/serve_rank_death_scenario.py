@@ -103,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                 if _pgid(pid) == group and "VLLM::Worker" in _cmdline(pid)
             ]
             result["ranks"] = len(ranks)
+            old_dir = Path(before[args.victim]["server_temp_dir"])
+            segments = {
+                seg.name
+                for store in old_dir.glob("vllm_dist_*")
+                for seg in Path("/dev/shm").glob(f"{store.name}-*")
+            }
+            result["segments_before"] = len(segments)
             os.kill(max(ranks), signal.SIGKILL)  # the last rank: rank 1 where there are two
             killed_at = time.monotonic()
             with ThreadPoolExecutor(len(prompts)) as pool:  # while the worker is down
@@ -121,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             result["recreated_s"] = round(time.monotonic() - killed_at, 1)
             result["recreated"] = after is not None
             result["old_group_left"] = [p for p in _descendants(os.getpid()) if _pgid(p) == group]
+            # what the dead server left: its temp folder and (TP) its shared memory
+            result["old_temp_dir_left"] = old_dir.exists()
+            result["old_segments_left"] = [
+                p.name for p in Path("/dev/shm").glob("vllm_dist_*") if p.name in segments
+            ]
             new = ray.get(dep.actors[args.victim][0].address.remote(), timeout=30)
             deadline = time.monotonic() + 120  # the supervisor's next rounds tell the proxy
             while dep.addresses[args.victim] != [new] and time.monotonic() < deadline:

@@ -33,6 +33,9 @@ def run_rank_death(tmp_path, prefill_tp: int) -> dict:
     assert result["ranks"] == prefill_tp, result
     assert result["recreated"], f"the worker was not re-created: {result}"
     assert result["old_group_left"] == [], "the dead server's processes outlived it"
+    assert not result["old_temp_dir_left"], "the dead server's temp folder was left"
+    assert result["segments_before"] == (2 if prefill_tp == 2 else 0), result
+    assert result["old_segments_left"] == [], "the dead server's shared memory was left"
     assert len({json.dumps(w) for w in result["want"][1:4]}) == 3, "weights too flat to tell"
     assert result["equal"], result
     assert result["routes_after"] == [3.0], "not disaggregated again after the re-creation"
