@@ -75,7 +75,18 @@ def guarded(command: list[str], temp_dir: Path) -> list[str]:
 
 
 def _stop_group(child: subprocess.Popen) -> None:
-    """The owner is gone: end the server and everything else in this process group."""
+    """The owner is gone: end the server and everything else in this process group. A
+    guard that does not lead its group (started without a session of its own) ends its
+    command only: the group is then its starter's."""
+    if os.getpgid(0) != os.getpid():
+        child.send_signal(signal.SIGCONT)
+        child.terminate()
+        try:
+            child.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait(10)
+        return
     os.killpg(0, signal.SIGCONT)  # a paused server cannot exit
     os.killpg(0, signal.SIGTERM)  # the guard's own handler does nothing
     try:

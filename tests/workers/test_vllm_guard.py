@@ -97,10 +97,34 @@ def test_the_guard_ends_as_its_server_ended(tmp_path):
     from hybrid_pd.workers.vllm_guard import guarded
 
     for script, want in (("exit 3", 3), ("kill -TERM $$", -signal.SIGTERM)):
-        proc = subprocess.run(
-            guarded(["sh", "-c", script], tmp_path / "t"), stdin=subprocess.PIPE, timeout=30
+        # as VllmServer starts it: a session of its own, the pipe held open meanwhile
+        proc = subprocess.Popen(
+            guarded(["sh", "-c", script], tmp_path / "t"),
+            stdin=subprocess.PIPE,
+            start_new_session=True,
         )
-        assert proc.returncode == want, script
+        try:
+            assert proc.wait(30) == want, script
+        finally:
+            proc.stdin.close()
+
+
+def test_a_guard_without_a_session_of_its_own_ends_only_its_command(tmp_path):
+    """Started inside its starter's process group, a guard whose pipe closes stops its
+    command and signals nothing else of the group (this test's own process included)."""
+    from hybrid_pd.workers.vllm_guard import guarded
+
+    got = []
+    old = signal.signal(signal.SIGTERM, lambda *_: got.append("SIGTERM"))
+    try:
+        proc = subprocess.Popen(guarded(["sleep", "600"], tmp_path / "t"), stdin=subprocess.PIPE)
+        time.sleep(0.5)
+        proc.stdin.close()  # the owner "goes"
+        assert proc.wait(45) == -signal.SIGTERM  # the command's end, passed on
+        time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert got == [], "the guard signalled its starter's process group"
 
 
 def test_watch_reports_a_server_that_ends_by_itself_and_not_one_that_is_stopped(tmp_path):
