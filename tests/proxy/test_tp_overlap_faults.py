@@ -161,6 +161,14 @@ def answers(threads, results) -> list[list[int]]:
     return [r.json()["choices"][0]["token_ids"] for r in results]
 
 
+def assert_tokens_equal(got: list[list[int]], want: list[list[int]]) -> None:
+    """Every answer equal to its reference; else where each first differs."""
+    assert got == want, [
+        next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), None)
+        for g, w in zip(got, want, strict=True)
+    ]
+
+
 def staged_pulls(worker, side: str) -> int:
     """Staged pulls the worker counted (`side`: "prefill" or "decode"); -1 if it is gone."""
     try:
@@ -221,10 +229,7 @@ def test_prefill_rank_killed_while_staged_retries_elsewhere(fleet, other_tp, tin
         doomed = follower(victim)
         os.kill(doomed, signal.SIGKILL)
         got = answers(threads, results)
-        assert got == want, [
-            next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), None)
-            for g, w in zip(got, want, strict=True)
-        ]
+        assert_tokens_equal(got, want)
         text = httpx.get(proxy.url + "/metrics").text
         # a prefill was in flight on the victim when it died, and was run again
         lost = sum(
@@ -280,10 +285,7 @@ def test_decode_rank_killed_while_staging_hands_over_to_another(fleet, tiny_path
                     break
         os.kill(follower(victim), signal.SIGKILL)
         got = answers(threads, results)
-        assert got == want, [
-            next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), None)
-            for g, w in zip(got, want, strict=True)
-        ]
+        assert_tokens_equal(got, want)
         text = httpx.get(proxy.url + "/metrics").text
         # a staged leg was on the victim, and an ordinary leg took its place
         assert metric(text, 'hybrid_pd_proxy_failures_total{kind="staged_fallback"}') >= 1
@@ -334,10 +336,7 @@ def test_prefill_rank_killed_with_kept_kv_unpulled_recomputes(fleet, tiny_path, 
                 break
         os.kill(follower(pre), signal.SIGKILL)
         got = answers(threads, results)
-        assert got == want, [
-            next((j for j, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), None)
-            for g, w in zip(got, want, strict=True)
-        ]
+        assert_tokens_equal(got, want)
         text = httpx.get(proxy.url + "/metrics").text
         assert metric(text, 'hybrid_pd_proxy_failures_total{kind="staged_fallback"}') >= 1
         assert metric(text, 'hybrid_pd_proxy_kv_transfers_total{result="recomputed"}') >= 1
