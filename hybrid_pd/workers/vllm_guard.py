@@ -94,7 +94,10 @@ def _stop_group(child: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         pass
     deadline = time.monotonic() + 10.0
-    while (others := _others_in_group()) and time.monotonic() < deadline:
+    me = os.getpid()
+    while (others := [p for p in group_members(os.getpgid(0)) if p != me]) and (
+        time.monotonic() < deadline
+    ):
         for pid in others:  # the command's own children may outlive it
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -104,18 +107,18 @@ def _stop_group(child: subprocess.Popen) -> None:
     child.wait(10)
 
 
-def _others_in_group() -> list[int]:
-    """The live processes of this process group other than this one (Linux /proc)."""
-    me, group, found = os.getpid(), os.getpgid(0), []
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid` (Linux /proc)."""
+    found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
+        if not entry.name.isdigit():
             continue
         try:
             # the fields after the command name's closing parenthesis: state, ppid, pgrp
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == group and fields[0] != "Z":
+        if int(fields[2]) == pgid and fields[0] != "Z":
             found.append(int(entry.name))
     return found
 

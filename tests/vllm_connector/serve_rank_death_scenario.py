@@ -21,19 +21,6 @@ from pathlib import Path
 ROUTE = 'hybrid_pd_proxy_routes_total{route="disaggregated"}'
 
 
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                kids = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -48,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from hybrid_pd.launcher.serve import Deployment, ServeConfig, wait_ready
+    from hybrid_pd.workers.vllm_guard import group_members
     from tests.vllm_connector import checkpoints
     from tests.vllm_connector.serve_scenario import compare, samples
 
@@ -99,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             group = before[args.victim]["server_pid"]
             ranks = [
                 pid
-                for pid in _descendants(os.getpid())
-                if _pgid(pid) == group and "VLLM::Worker" in _cmdline(pid)
+                for pid in group_members(group)  # the server this test started
+                if "VLLM::Worker" in _cmdline(pid)
             ]
             result["ranks"] = len(ranks)
             old_dir = Path(before[args.victim]["server_temp_dir"])
@@ -127,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(2)
             result["recreated_s"] = round(time.monotonic() - killed_at, 1)
             result["recreated"] = after is not None
-            result["old_group_left"] = [p for p in _descendants(os.getpid()) if _pgid(p) == group]
+            result["old_group_left"] = group_members(group)
             # what the dead server left: its temp folder and (TP) its shared memory
             result["old_temp_dir_left"] = old_dir.exists()
             result["old_segments_left"] = [
@@ -148,15 +136,6 @@ def main(argv: list[str] | None = None) -> int:
         dep.close()
     print(json.dumps(result))
     return 0
-
-
-def _pgid(pid: int) -> int | None:
-    import os
-
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from hybrid_pd.workers.vllm_guard import SHM_DIR
+from hybrid_pd.workers.vllm_guard import SHM_DIR, group_members
 from tests.vllm_connector import checkpoints
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -35,18 +35,6 @@ time.sleep(900)
 """
 
 
-def _group(pgid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, NotADirectoryError):
-            continue
-        if entry.name.isdigit() and int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
-
 def test_a_tp_server_whose_owner_dies_is_stopped_and_cleaned_up(tmp_path):
     """The owner (as a Ray actor would be) is SIGKILLed without stopping its server: the
     server's whole process group ends, and its temp folder and shared memory go."""
@@ -54,12 +42,12 @@ def test_a_tp_server_whose_owner_dies_is_stopped_and_cleaned_up(tmp_path):
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True
     )
-    group: list[int] = []
+    pgid = None
     try:
         line = owner.stdout.readline().split()
         assert line, f"the owner did not start its server: {owner.wait(60)}"
         pgid, temp_dir = int(line[0]), Path(line[1])
-        group = _group(pgid)
+        group = group_members(pgid)  # the guard leads it
         assert len(group) >= 4, f"guard, API server, engine core, 2 ranks: {group}"
         stores = [p.name for p in temp_dir.glob("vllm_dist_*")]
         assert len(stores) == 1, f"one file store in the server's temp folder: {stores}"
@@ -68,13 +56,13 @@ def test_a_tp_server_whose_owner_dies_is_stopped_and_cleaned_up(tmp_path):
         owner.kill()
         owner.wait(10)
         deadline = time.monotonic() + 90
-        while _group(pgid) and time.monotonic() < deadline:
+        while group_members(pgid) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _group(pgid) == [], "the server's processes outlived their owner"
+        assert group_members(pgid) == [], "the server's processes outlived their owner"
         assert [p for p in segments if p.exists()] == []
         assert not temp_dir.exists()
     finally:
         if owner.poll() is None:
             owner.kill()
-        for pid in _group(group[0]) if group else []:
+        for pid in group_members(pgid) if pgid is not None else []:  # a failed test's
             os.kill(pid, signal.SIGKILL)
