@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from hybrid_pd.engine.request import Request, Status
 from hybrid_pd.engine.sampling import SamplingParams, catch_up, make_generator, sample
 from hybrid_pd.engine.scheduler import Scheduler, SchedulerConfig
 from hybrid_pd.engine.tp.group import SINGLE, TPGroup
+from hybrid_pd.engine.tp.head import leader_logits
 from hybrid_pd.engine.tp.steps import PoolShape, StepPlan
 from hybrid_pd.kvcache.config import KVCacheConfig
 from hybrid_pd.kvcache.grouping import plan_groups
@@ -302,15 +304,16 @@ class Engine:
             self.tp.broadcast(StepPlan(copies, seqs))
         batch = make_batch(self.pool, seqs)
         hidden = self.model(batch)
+        head = functools.partial(leader_logits, self.model, self.tp, hidden)
         for seq, info in zip(sched.seqs, batch.seqs, strict=True):
             if seq.request.prompt_logprobs is not None:
-                score_prompt(self.model, hidden, info, seq.request)
+                score_prompt(head, info, seq.request)
         sampling = [i for i, s in enumerate(sched.seqs) if s.samples]
         tokens: list[int] = []
         scored: dict[int, object] = {}
         if sampling:
             last = batch.last_token_indices()[sampling]
-            logits = self.model.compute_logits(hidden[last]).float()
+            logits = head(last.tolist()).float()
             reqs = [sched.seqs[i].request for i in sampling]
             constrained = [j for j, r in enumerate(reqs) if r.matcher is not None]
             picked = logits

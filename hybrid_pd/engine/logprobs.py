@@ -28,17 +28,17 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], top: list[int]) -> list
     return out
 
 
-def score_prompt(model, hidden: torch.Tensor, seq, req) -> None:
+def score_prompt(head, seq, req) -> None:
     """Fill `req.prompt_logprobs` for the prompt positions this step computed: the logits
     at position p score prompt token p + 1. Indexed by position, so recomputing a prompt
-    (preemption, a failed load) writes the same values again, never twice."""
+    (preemption, a failed load) writes the same values again, never twice. `head(index)`:
+    the logits of the step's hidden states at `index` (a slice of rows)."""
     prompt = req.prompt_ids
     first = seq.num_computed
     last = min(seq.num_computed + seq.num_new, len(prompt) - 1)  # p + 1 must be a prompt token
     k = req.params.prompt_logprobs
     for lo in range(first, last, PROMPT_SLICE):
         hi = min(lo + PROMPT_SLICE, last)
-        rows = hidden[seq.start + lo - first : seq.start + hi - first]
-        logits = model.compute_logits(rows)
+        logits = head(slice(seq.start + lo - first, seq.start + hi - first))
         scored = logprobs_of(logits, prompt[lo + 1 : hi + 1], [k] * (hi - lo))
         req.prompt_logprobs[lo + 1 : hi + 1] = scored

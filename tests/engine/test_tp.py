@@ -27,7 +27,7 @@ from hybrid_pd.engine.tp.plans import TPConfigError, plan_for
 from hybrid_pd.engine.tp.shard import LEADER_ONLY, Seg, Split, owned_units, shard_tensor
 from hybrid_pd.kvcache.hf_configs import load_config
 from tests import checkpoints
-from tests.engine.tp_scenario import engine_config, run_rounds
+from tests.engine.tp_scenario import engine_config, run_rounds, scored_rounds
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -187,14 +187,16 @@ def _reassemble(parts, rule: Split, size: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------- tokens
 
 
-def tp_tokens(folder: Path, size: int, rounds, new: int, max_batched_tokens: int = 24) -> dict:
+def tp_tokens(
+    folder: Path, size: int, rounds, new: int, max_batched_tokens: int = 24, logprobs: int = 0
+) -> dict:
     """Greedy tokens of an engine of `size` real rank processes (tests/engine/tp_scenario.py)
-    over `rounds` of prompts."""
+    over `rounds` of prompts (with `logprobs`: `scored_rounds`' outputs)."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.engine.tp_scenario", "--model", str(folder),
          "--size", str(size), "--rounds", json.dumps(rounds), "--new", str(new),
-         "--max-batched-tokens", str(max_batched_tokens)],
+         "--max-batched-tokens", str(max_batched_tokens), "--logprobs", str(logprobs)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -214,3 +216,28 @@ def test_tp_engine_equals_tp1(case, size, folders):
     assert got["tokens"] == reference
     assert got["follower_exit_codes"] == [0] * (size - 1)
     assert got["steps"] > len(PROMPTS)  # chunked: several steps per round
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("case", ["granite_groups1", "gemma3"])  # an untied, a tied head
+def test_tp_logprobs_come_from_every_ranks_rows_of_the_head(case, folders):
+    """Each rank computes its run of the head's vocabulary rows; rank 0 names the rows
+    (sampled, and prompt slices for prompt logprobs) and the followers join in. Tokens,
+    top ids and log-probabilities equal TP 1's (values up to the partial sums' order)."""
+    model, config, tok = load_model(folders[case])
+    reference = scored_rounds(Engine(model, config, engine_config(), tok), PROMPTS, NEW, 3)
+    got = tp_tokens(folders[case], 2, PROMPTS, NEW, logprobs=3)
+    assert got["follower_exit_codes"] == [0]
+    assert got["head_rows"] == [0, config["vocab_size"] // 2]  # rank 0's half
+    for rnd_ref, rnd_got in zip(reference, got["tokens"], strict=True):
+        for ref, out in zip(rnd_ref, rnd_got, strict=True):
+            assert out[0] == ref[0]
+            for scores_ref, scores in ((ref[1], out[1]), (ref[2], out[2])):
+                assert len(scores) == len(scores_ref) and scores_ref[-1] is not None
+                for a, b in zip(scores_ref, scores, strict=True):
+                    if a is None:
+                        assert b is None
+                        continue
+                    assert [i for i, _ in b[1]] == [i for i, _ in a[1]]
+                    assert b[0] == pytest.approx(a[0], abs=1e-4)
+                    assert [v for _, v in b[1]] == pytest.approx([v for _, v in a[1]], abs=1e-4)

@@ -26,6 +26,24 @@ def run_rounds(engine: Engine, rounds: list[list[list[int]]], new: int) -> list[
     return [[o.token_ids for o in engine.generate(prompts, params)] for prompts in rounds]
 
 
+def scored_rounds(engine: Engine, rounds: list[list[list[int]]], new: int, top: int) -> list:
+    """As `run_rounds`, each output asking for `top` logprobs of every sampled and every
+    prompt token: per output [tokens, logprobs, prompt logprobs], each logprob
+    [value, [[id, value], ...]] (None where there is none)."""
+    params = SamplingParams(max_tokens=new, ignore_eos=True, logprobs=top, prompt_logprobs=top)
+
+    def plain(scored):
+        return [None if s is None else [s.logprob, [list(p) for p in s.top]] for s in scored]
+
+    return [
+        [
+            [o.token_ids, plain(o.logprobs), plain(o.prompt_logprobs)]
+            for o in engine.generate(prompts, params)
+        ]
+        for prompts in rounds
+    ]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -33,6 +51,7 @@ def main() -> int:
     p.add_argument("--rounds", required=True, help="JSON: rounds of prompts (token ids)")
     p.add_argument("--new", type=int, default=8)
     p.add_argument("--max-batched-tokens", type=int, default=24)
+    p.add_argument("--logprobs", type=int, default=0, help="top logprobs asked (scored_rounds)")
     args = p.parse_args()
     set_torch_threads(1)
     config = engine_config(args.max_batched_tokens)
@@ -41,11 +60,21 @@ def main() -> int:
     try:
         model, hf_config, tok = load_model(args.model, tp=ranks.group)
         engine = Engine(model, hf_config, config, tok, tp=ranks.group)
-        out = run_rounds(engine, json.loads(args.rounds), args.new)
+        rounds = json.loads(args.rounds)
+        if args.logprobs:
+            out = scored_rounds(engine, rounds, args.new, args.logprobs)
+        else:
+            out = run_rounds(engine, rounds, args.new)
         steps = engine.num_steps_with_work
+        shard = getattr(model, "vocab_shard", None)
+        head_rows = None if shard is None else shard.rows(int(hf_config["vocab_size"]))
     finally:
         codes = ranks.close(engine)
-    print(json.dumps({"tokens": out, "follower_exit_codes": codes, "steps": steps}))
+    print(
+        json.dumps(
+            {"tokens": out, "follower_exit_codes": codes, "steps": steps, "head_rows": head_rows}
+        )
+    )
     return 0
 
 

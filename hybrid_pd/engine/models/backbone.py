@@ -14,6 +14,7 @@ from torch import nn
 from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.common import RMSNorm, load_checkpoint
 from hybrid_pd.engine.models.rope import RopeSettings, inverse_frequencies
+from hybrid_pd.engine.tp.head import head_logits
 from hybrid_pd.kvcache.specs import AttentionSpec, StateSpec
 
 #: (inv_freq, positions, rope_scale, dtype) -> (cos, sin), the tables every layer receives.
@@ -105,7 +106,8 @@ class RopeCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight)
+        w = head.weight
+        return head_logits(self, hidden, w, lambda h: F.linear(h, w))
 
 
 class LayerStack(nn.Module):
@@ -199,7 +201,8 @@ class StackCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head.weight)
+        w = head.weight
+        return head_logits(self, hidden, w, lambda h: F.linear(h, w))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -27,6 +27,7 @@ from hybrid_pd.engine.batch import ForwardBatch
 from hybrid_pd.engine.models.attention import RotaryAttention
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, copy_weight
 from hybrid_pd.engine.onednn import PackedWeights, packed_linear
+from hybrid_pd.engine.tp.head import head_logits
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -207,12 +208,16 @@ class Gemma3ForCausalLM(nn.Module):
             x = layer(x, cos, sin, batch)
         return self.model.norm(x)
 
+    def _tied_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight  # through its own packed copy
+        return packed_linear(hidden, weight, self._packs.get("lm_head", weight))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:  # tied: the embedding, through its own packed copy
+        if self.lm_head is None:  # tied: the embedding
             weight = self.model.embed_tokens.weight
-            logits = packed_linear(hidden, weight, self._packs.get("lm_head", weight))
+            logits = head_logits(self, hidden, weight, self._tied_head)
         else:
-            logits = self.lm_head(hidden)
+            logits = head_logits(self, hidden, self.lm_head.weight, self.lm_head)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -34,6 +34,7 @@ from hybrid_pd.engine.models.common import (
 from hybrid_pd.engine.models.mamba2 import Mamba2Dims, Mamba2Mixer, time_step_limit
 from hybrid_pd.engine.onednn import PackedWeights, packed_linear, run_packed
 from hybrid_pd.engine.paged_attention import paged_attention
+from hybrid_pd.engine.tp.head import head_logits
 
 _LEGACY_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
@@ -300,7 +301,8 @@ class GraniteMoeHybridForCausalLM(BackboneLM):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden) / self.settings.logits_scaling
+        logits = head_logits(self, hidden, self.lm_head.weight, self.lm_head)
+        return logits / self.settings.logits_scaling
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -34,6 +34,7 @@ from hybrid_pd.engine.models.backbone import RopeBackbone
 from hybrid_pd.engine.models.common import GatedMLP, RMSNorm, load_checkpoint
 from hybrid_pd.engine.models.rope import cos_sin, rope_settings
 from hybrid_pd.engine.onednn import PackedWeights, packed_linear
+from hybrid_pd.engine.tp.head import head_logits
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec
 
@@ -159,11 +160,15 @@ class DenseForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model.run(batch, cos_sin)
 
+    def _tied_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight  # through its own packed copy
+        return packed_linear(hidden, weight, self._packs.get("lm_head", weight))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:  # tied: the embedding, through its own packed copy
+        if self.lm_head is None:  # tied: the embedding
             weight = self.model.embed_tokens.weight
-            return packed_linear(hidden, weight, self._packs.get("lm_head", weight))
-        return self.lm_head(hidden)
+            return head_logits(self, hidden, weight, self._tied_head)
+        return head_logits(self, hidden, self.lm_head.weight, self.lm_head)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -58,6 +58,7 @@ from hybrid_pd.engine.models.mamba2 import (
     time_step_limit,
 )
 from hybrid_pd.engine.onednn import linear
+from hybrid_pd.engine.tp.head import head_logits
 from hybrid_pd.kvcache.hf_configs import cache_spec_from_config
 from hybrid_pd.kvcache.specs import AttentionSpec, LayerSpec, StateSpec
 
@@ -277,7 +278,8 @@ class NemotronHForCausalLM(BackboneLM):
         return self.model.norm_f(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        w = self.lm_head.weight
+        return head_logits(self, hidden, w, lambda h: F.linear(h, w)).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -51,6 +51,7 @@ from hybrid_pd.engine.models.common import (
 from hybrid_pd.engine.models.gated_deltanet import GatedDeltaNet
 from hybrid_pd.engine.onednn import linear
 from hybrid_pd.engine.paged_attention import paged_attention
+from hybrid_pd.engine.tp.head import head_logits
 
 __all__ = [
     "Qwen3NextForCausalLM",
@@ -260,7 +261,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return head_logits(self, hidden, self.lm_head.weight, self.lm_head)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from hybrid_pd.engine.tp.group import TPGroup
+from hybrid_pd.engine.tp.head import install_vocab_shard
 from hybrid_pd.engine.tp.plans.base import TPPlan
 from hybrid_pd.engine.tp.shard import shard_tensor
 
@@ -17,8 +18,9 @@ logger = logging.getLogger(__name__)
 @torch.no_grad()
 def shard_model(full: nn.Module, rank_model: nn.Module, plan: TPPlan, group: TPGroup) -> None:
     """Copy `group.rank`'s share of every parameter of `full` (the model at TP 1, weights
-    loaded) into `rank_model` (built from `plan.rank_config`), then wire the all-reduces
-    and the plan's patch. Raises ValueError naming a parameter whose shard does not fit."""
+    loaded) into `rank_model` (built from `plan.rank_config`), then wire the all-reduces,
+    the head's split by vocabulary rows (`head`) and the plan's patch. Raises ValueError
+    naming a parameter whose shard does not fit."""
     source = dict(full.named_parameters(remove_duplicate=False))
     for name, param in rank_model.named_parameters(remove_duplicate=False):
         if name not in source:
@@ -26,6 +28,7 @@ def shard_model(full: nn.Module, rank_model: nn.Module, plan: TPPlan, group: TPG
         param.copy_(_shard(name, source[name], param, plan, group))
     copy_buffers(full, rank_model, plan, group)
     install_reductions(rank_model, plan, group)
+    install_vocab_shard(rank_model, group)
     if plan.patch is not None:
         plan.patch(rank_model, group)
 

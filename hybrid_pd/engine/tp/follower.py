@@ -1,6 +1,7 @@
 """A rank other than 0: it holds its shard of the weights and of the KV pool and runs every
 step rank 0 announces, taking part in that step's all-reduces. It schedules nothing and
-samples nothing; it learns of requests only as rows of a step."""
+samples nothing; it learns of requests only as rows of a step, and runs its run of the
+head's vocabulary rows on the rows rank 0 names (`head.HeadRows`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from hybrid_pd.engine.batch import make_batch
 from hybrid_pd.engine.engine import EngineConfig, plan_kv_cache
 from hybrid_pd.engine.tp.group import TPGroup
+from hybrid_pd.engine.tp.head import HeadRows
 from hybrid_pd.engine.tp.shared_pool import create_rank_pool
 from hybrid_pd.engine.tp.steps import PoolShape, StepPlan
 from hybrid_pd.kvcache.pool import KVPool, num_blocks_for_memory
@@ -48,16 +50,29 @@ class Follower:
         if leader != mine:
             raise ValueError(f"rank {tp.rank}'s pool {mine} differs from rank 0's {leader}")
         self.steps = 0
+        self.hidden: torch.Tensor | None = None  # the last step's, for the head
 
     def step(self, plan: StepPlan) -> None:
         self.pool.copy_blocks(plan.copies)
         with torch.inference_mode():
-            self.model(make_batch(self.pool, plan.seqs))
+            self.hidden = self.model(make_batch(self.pool, plan.seqs))
         self.steps += 1
 
+    def head(self, rows: HeadRows) -> None:
+        """This rank's share of the logits of the rows rank 0 names (the result is rank
+        0's to use)."""
+        if self.hidden is None:
+            raise RuntimeError("rank 0 asked for logits before any step")
+        with torch.inference_mode():
+            self.model.compute_logits(self.hidden[rows.index])
+
     def run(self) -> int:
-        """Take steps until rank 0 releases the group; returns how many ran."""
-        while (plan := self.tp.broadcast()) is not None:
-            self.step(plan)
+        """Take steps (and the head's turns) until rank 0 releases the group; returns how
+        many steps ran."""
+        while (msg := self.tp.broadcast()) is not None:
+            if isinstance(msg, HeadRows):
+                self.head(msg)
+            else:
+                self.step(msg)
         logger.debug("rank %d released after %d steps", self.tp.rank, self.steps)
         return self.steps

@@ -28,6 +28,25 @@ def _build() -> Path:
     return build_library("shm_sync", [SOURCE], FLAGS, link=(), what="the TP group's counters")
 
 
+class Group(ctypes.Structure):
+    """`hpd_group`: what stays the same from one all-reduce of a rank's group to the next."""
+
+    _fields_ = (
+        ("posted", ctypes.c_void_p),  # rank 0's posted counter
+        ("done", ctypes.c_void_p),  # rank 0's done counter
+        ("stride", ctypes.c_long),  # bytes between counters
+        ("size", ctypes.c_int),
+        ("rank", ctypes.c_int),
+        ("slots", ctypes.c_void_p),
+        ("slot_bytes", ctypes.c_long),
+        ("pids", ctypes.c_void_p),
+        ("spin_us", ctypes.c_double),
+        ("yield_us", ctypes.c_double),
+        ("check_ms", ctypes.c_int),
+        ("timeout_s", ctypes.c_double),
+    )
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     u32, vp = ctypes.c_uint32, ctypes.c_void_p
     lib.hpd_publish.argtypes = (vp, u32)
@@ -46,26 +65,14 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_double,  # timeout_s
     )
     lib.hpd_wait.restype = ctypes.c_int
-    lib.hpd_all_reduce_f32.argtypes = (
-        vp,  # posted counters (rank 0's)
-        vp,  # done counters (rank 0's)
-        ctypes.c_long,  # stride (bytes)
-        ctypes.c_int,  # size
-        ctypes.c_int,  # rank
-        u32,  # call number
-        ctypes.c_int,  # whether call number - 2 exists
-        vp,  # slots
-        ctypes.c_long,  # slot bytes
+    lib.hpd_group_all_reduce_f32.argtypes = (
+        ctypes.POINTER(Group),  # the group's constants
+        ctypes.c_uint64,  # call number
         vp,  # src
         vp,  # dst
         ctypes.c_long,  # count
-        vp,  # pids
-        ctypes.c_double,  # spin_us
-        ctypes.c_double,  # yield_us
-        ctypes.c_int,  # check_ms
-        ctypes.c_double,  # timeout_s
     )
-    lib.hpd_all_reduce_f32.restype = ctypes.c_int
+    lib.hpd_group_all_reduce_f32.restype = ctypes.c_int
 
 
 def library() -> ctypes.CDLL | None:

@@ -109,6 +109,21 @@ class ShmCollectives:
         #: seconds a wait may last while its peers live (0: no deadline; an idle rank 0
         #: keeps its followers waiting for the next step as long as it likes)
         self.timeout_s = 0.0
+        self._group = native.Group(
+            self._counter(0, 0),
+            self._counter(1, 0),
+            LINE,
+            size,
+            rank,
+            self._base + self._data_at,
+            slot_bytes,
+            self._base + self._pids_at,
+            self.spin_us,
+            self.yield_us,
+            CHECK_MS,
+            self.timeout_s,
+        )
+        self._group_ref = ctypes.byref(self._group)
 
     @classmethod
     def create(cls, size: int, slot_bytes: int | None = None) -> ShmCollectives:
@@ -197,6 +212,15 @@ class ShmCollectives:
         """Rank-ordered sum of `x` over the ranks (see the module's docstring); a new
         tensor of `x`'s shape and dtype. Float32 (and bfloat16 / float16, summed in float32)
         goes through one native call per slot-sized chunk; other dtypes through torch."""
+        if (
+            x.dtype is torch.float32
+            and x.device.type == "cpu"
+            and x.numel() * 4 <= self.slot_bytes
+            and x.is_contiguous()
+        ):  # a decode step's: one call, no torch operation but the output's allocation
+            out = torch.empty_like(x)
+            self._all_reduce_f32(x, out)
+            return out
         wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
         flat = wide.contiguous().view(-1)
         out = torch.empty_like(flat)
@@ -211,28 +235,13 @@ class ShmCollectives:
         return out.view(wide.shape).to(x.dtype)
 
     def _all_reduce_f32(self, part: torch.Tensor, total: torch.Tensor) -> None:
-        """One chunk, the whole collective in C (`hpd_all_reduce_f32`)."""
+        """One chunk (contiguous, at most a slot), the whole collective in C."""
         self._calls += 1
-        got = self._lib.hpd_all_reduce_f32(
-            self._counter(0, 0),
-            self._counter(1, 0),
-            LINE,
-            self.size,
-            self.rank,
-            self._calls & 0xFFFFFFFF,
-            int(self._calls > 2),
-            self._base + self._data_at,
-            self.slot_bytes,
-            part.data_ptr(),
-            total.data_ptr(),
-            part.numel(),
-            self._base + self._pids_at,
-            self.spin_us,
-            self.yield_us,
-            CHECK_MS,
-            self.timeout_s,
+        got = self._lib.hpd_group_all_reduce_f32(
+            self._group_ref, self._calls, part.data_ptr(), total.data_ptr(), part.numel()
         )
-        self._check(got)
+        if got:
+            self._check(got)
 
     def _all_reduce_torch(self, part: torch.Tensor, total: torch.Tensor) -> None:
         """One chunk: slots written, summed and released from Python."""
