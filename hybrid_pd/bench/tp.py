@@ -44,6 +44,12 @@ def add_tp_parser(bsub: argparse._SubParsersAction) -> None:
         "--throughput-families", default="qwen3_5,granite", help="comma-separated; '' skips"
     )
     t.add_argument("--throughput-hidden", type=int, default=512)
+    t.add_argument(
+        "--throughput-models",
+        default="",
+        help="comma-separated full-size real shapes (as `bench engine --model`, e.g. "
+        "granite-4.0-h-350m-like) also timed at TP 1 vs 2",
+    )
     t.add_argument("--batch-sizes", default="1,8")
     t.add_argument("--prompt-len", type=int, default=128)
     t.add_argument("--decode-tokens", type=int, default=32)
@@ -74,6 +80,7 @@ def bench_tp(
     hidden: int = 256,
     throughput_families: list[str] = (),
     throughput_hidden: int = 512,
+    throughput_models: list[str] = (),
     batch_sizes: list[int] = (1, 8),
     prompt_len: int = 128,
     decode_tokens: int = 32,
@@ -85,6 +92,7 @@ def bench_tp(
     live in a temporary folder removed at the end; every worker and rank process started
     is stopped however the run ends."""
     from hybrid_pd.bench import checkpoints
+    from hybrid_pd.bench.real_shapes import REAL_SHAPES, ensure_real_shape
     from hybrid_pd.bench.tp_pairs import run_family
     from hybrid_pd.bench.tp_throughput import GLOO_SETUP, SETUPS, compare
 
@@ -93,6 +101,9 @@ def bench_tp(
     for name in [*families, *throughput_families]:
         if name not in checkpoints.FAMILIES:
             raise ValueError(f"unknown family {name!r}; known: {', '.join(checkpoints.FAMILIES)}")
+    for name in throughput_models:
+        if name not in REAL_SHAPES:
+            raise ValueError(f"unknown real shape {name!r}; known: {', '.join(REAL_SHAPES)}")
     t0 = time.perf_counter()
     load_start = _loadavg()
     rows: list[dict] = []
@@ -107,6 +118,16 @@ def bench_tp(
             throughput += compare(
                 family, path, list(batch_sizes), prompt_len, decode_tokens, reps, setups
             )
+        for name in throughput_models:  # written once into the engine's cache folder
+            throughput += compare(
+                name,
+                ensure_real_shape(name),
+                list(batch_sizes),
+                prompt_len,
+                decode_tokens,
+                reps,
+                setups,
+            )
     meta = {
         "families": {f: checkpoints.DESCRIPTIONS[f] for f in families},
         "hidden": hidden,
@@ -114,6 +135,7 @@ def bench_tp(
         "new_tokens": new_tokens,
         "pair_worker_threads": 1,
         "throughput_hidden": throughput_hidden,
+        "throughput_models": list(throughput_models),
         "throughput_setups": [
             {"name": n, "tp_size": s, "threads_per_rank": t, "env": e} for n, s, t, e in setups
         ],
@@ -158,7 +180,7 @@ def summary(result: dict[str, Any]) -> str:
     if result["throughput"]:
         lines.append("")
         lines.append(
-            f"{'family':<10} {'batch':>5}  {'prefill tok/s tp1 -> tp2':<28} "
+            f"{'family':<24} {'batch':>5}  {'prefill tok/s tp1 -> tp2':<28} "
             f"{'decode tok/s tp1 -> tp2':<28} same tokens"
         )
     for r in result["throughput"]:
@@ -166,12 +188,12 @@ def summary(result: dict[str, Any]) -> str:
         pre = f"{one['prefill_median']:.0f} -> {two['prefill_median']:.0f} ({r['prefill_ratio']}x)"
         dec = f"{one['decode_median']:.0f} -> {two['decode_median']:.0f} ({r['decode_ratio']}x)"
         same = r["tokens_equal"]
-        lines.append(f"{r['family']:<10} {r['batch_size']:>5}  {pre:<28} {dec:<28} {same}")
+        lines.append(f"{r['family']:<24} {r['batch_size']:>5}  {pre:<28} {dec:<28} {same}")
         if "tp2_gloo" in r:
             g = r["tp2_gloo"]
             pre = f"  gloo: {g['prefill_median']:.0f} ({r['gloo_prefill_ratio']}x)"
             dec = f"{g['decode_median']:.0f} ({r['gloo_decode_ratio']}x)"
-            lines.append(f"{'':<10} {'':>5}  {pre:<28} {dec:<28}")
+            lines.append(f"{'':<24} {'':>5}  {pre:<28} {dec:<28}")
     m = result["meta"]
     lines.append(
         f"\nall exact {m['all_exact']}, bytes = minimum {m['all_min_bytes']}, clean "
@@ -208,6 +230,7 @@ def _cmd_bench_tp(args: argparse.Namespace) -> int:
             hidden=args.hidden,
             throughput_families=_names(args.throughput_families),
             throughput_hidden=args.throughput_hidden,
+            throughput_models=_names(args.throughput_models),
             batch_sizes=_ints(args.batch_sizes),
             prompt_len=args.prompt_len,
             decode_tokens=args.decode_tokens,

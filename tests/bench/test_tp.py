@@ -75,3 +75,8 @@ def test_summary_prints_every_row():
     meta |= {"any_recomputed": False, "seconds": 1.0}
     text = summary({"pairs": [row], "throughput": [thr], "meta": meta})
     assert "granite    1-2   True  2.0/2.0 KiB" in text and "100 -> 100 (1.0x)" in text
+
+
+def test_an_unknown_real_shape_is_refused_by_name_before_any_run():
+    with pytest.raises(ValueError, match="unknown real shape 'granite-9t-like'"):
+        bench_tp([], [], throughput_models=["granite-9t-like"])

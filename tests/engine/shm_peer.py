@@ -3,9 +3,10 @@
 
 Modes:
 - `exact`: rounds of all-reduces (float32, bfloat16, float16; tensors smaller and larger than a
-  slot) and broadcasts (small, None, larger than a slot) mixed; each sum compared bit for bit
-  with the rank-ordered sum of every rank's input (which each rank can make: inputs are seeded
-  by rank) and with gloo's path; each broadcast with what rank 0 sent.
+  slot; infinities, overflows, ties and subnormals) and broadcasts (small, None, larger than a
+  slot) mixed; each sum compared bit for bit with the rank-ordered sum of every rank's input
+  (which each rank can make: inputs are seeded by rank) and with gloo's path; each broadcast
+  with what rank 0 sent.
 - `die-after-one`: one all-reduce, then rank `--victim` exits (code 3) while the others wait in
   an all-reduce (or, where the victim is rank 0, in a broadcast): they report what they got
   and how long it took.
@@ -31,7 +32,11 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 def _input(rank: int, round_: int, shape, dtype) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * round_ + rank)
-    return (torch.randn(shape, generator=gen) * 3).to(dtype)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    if shape == (3, 7):  # values whose sums overflow, round to a tie or sit below normal
+        special = [float("inf"), -3e38, 1 + 2**-8, 1e-39, -0.0, 2**-8, 65504.0]
+        x[0] = torch.tensor(special) * (rank + 1)
+    return x
 
 
 def _reference(size: int, round_: int, shape, dtype) -> torch.Tensor:

@@ -73,6 +73,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_long,  # count
     )
     lib.hpd_group_all_reduce_f32.restype = ctypes.c_int
+    lib.hpd_group_all_reduce_bf16.argtypes = lib.hpd_group_all_reduce_f32.argtypes
+    lib.hpd_group_all_reduce_bf16.restype = ctypes.c_int
 
 
 def library() -> ctypes.CDLL | None:

@@ -210,17 +210,19 @@ class ShmCollectives:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Rank-ordered sum of `x` over the ranks (see the module's docstring); a new
-        tensor of `x`'s shape and dtype. Float32 (and bfloat16 / float16, summed in float32)
-        goes through one native call per slot-sized chunk; other dtypes through torch."""
-        if (
-            x.dtype is torch.float32
-            and x.device.type == "cpu"
-            and x.numel() * 4 <= self.slot_bytes
-            and x.is_contiguous()
-        ):  # a decode step's: one call, no torch operation but the output's allocation
-            out = torch.empty_like(x)
-            self._all_reduce_f32(x, out)
-            return out
+        tensor of `x`'s shape and dtype. Float32 and bfloat16 that fit a slot (a decode
+        step's) go through one native call, no torch operation but the output's allocation;
+        larger ones in slot-sized float32 chunks (bfloat16 / float16 summed in float32);
+        other dtypes through torch."""
+        if x.device.type == "cpu" and x.numel() * 4 <= self.slot_bytes and x.is_contiguous():
+            if x.dtype is torch.float32:
+                out = torch.empty_like(x)
+                self._native(self._lib.hpd_group_all_reduce_f32, x, out)
+                return out
+            if x.dtype is torch.bfloat16:
+                out = torch.empty_like(x)
+                self._native(self._lib.hpd_group_all_reduce_bf16, x, out)
+                return out
         wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
         flat = wide.contiguous().view(-1)
         out = torch.empty_like(flat)
@@ -229,17 +231,15 @@ class ShmCollectives:
         for lo in range(0, max(1, flat.numel()), step):
             part = flat[lo : lo + step]
             if native_sum:
-                self._all_reduce_f32(part, out[lo : lo + part.numel()])
+                self._native(self._lib.hpd_group_all_reduce_f32, part, out[lo : lo + part.numel()])
             else:
                 self._all_reduce_torch(part, out[lo : lo + part.numel()])
         return out.view(wide.shape).to(x.dtype)
 
-    def _all_reduce_f32(self, part: torch.Tensor, total: torch.Tensor) -> None:
-        """One chunk (contiguous, at most a slot), the whole collective in C."""
+    def _native(self, fn, part: torch.Tensor, total: torch.Tensor) -> None:
+        """One chunk (contiguous, at most a slot of float32), the whole collective in C."""
         self._calls += 1
-        got = self._lib.hpd_group_all_reduce_f32(
-            self._group_ref, self._calls, part.data_ptr(), total.data_ptr(), part.numel()
-        )
+        got = fn(self._group_ref, self._calls, part.data_ptr(), total.data_ptr(), part.numel())
         if got:
             self._check(got)
 

@@ -143,54 +143,11 @@ int hpd_wait(char *counters, int n, long stride, uint32_t target, const int32_t 
     return 0;
 }
 
-/* One all-reduce of `count` floats through the group's slots, the whole of a collective in
- * one call: wait until every rank is done with call n - 2 (the last user of this parity's
- * slots), copy `src` into this rank's slot, publish posted = n, wait for every rank's
- * posted = n, sum the slots in rank order (((s0 + s1) + s2) + ...) into `dst`, publish
- * done = n. Each element's sum is the same chain of float adds on every rank, whatever the
- * compiler vectorizes: the same bits everywhere, and the same as adding tensors in order.
- *
- * wait_prev: whether call n - 2 exists (n counts from 1 and wraps modulo 2^32).
- * posted / done: rank 0's counters (`stride` bytes apart, `size` of each); slots: the data
- * area, slot (parity p, rank r) at ((p * size) + r) * slot_bytes; count * 4 <= slot_bytes.
- * Returns what hpd_wait returns (0; r + 1 when rank r died; -1 on timeout). */
-int hpd_all_reduce_f32(char *posted, char *done, long stride, int size, int rank,
-                       uint32_t n, int wait_prev, char *slots, long slot_bytes,
-                       const float *src, float *dst, long count, const int32_t *pids, double spin_us,
-                       double yield_us, int check_ms, double timeout_s) {
-    int got;
-    if (wait_prev) {
-        got = hpd_wait(done, size, stride, n - 2, pids, spin_us, yield_us, check_ms, timeout_s);
-        if (got != 0)
-            return got;
-    }
-    char *base = slots + (long)(n % 2) * size * slot_bytes;
-    float *mine = (float *)(base + (long)rank * slot_bytes);
-    for (long i = 0; i < count; i++)
-        mine[i] = src[i];
-    hpd_publish((hpd_counter *)(posted + (long)rank * stride), n);
-    got = hpd_wait(posted, size, stride, n, pids, spin_us, yield_us, check_ms, timeout_s);
-    if (got != 0)
-        return got;
-    const float *s0 = (const float *)base;
-    if (size == 1) {
-        for (long i = 0; i < count; i++)
-            dst[i] = s0[i];
-    } else {
-        const float *s1 = (const float *)(base + slot_bytes);
-        for (long i = 0; i < count; i++)
-            dst[i] = s0[i] + s1[i];
-        for (int r = 2; r < size; r++) {
-            const float *sr = (const float *)(base + (long)r * slot_bytes);
-            for (long i = 0; i < count; i++)
-                dst[i] += sr[i];
-        }
-    }
-    hpd_publish((hpd_counter *)(done + (long)rank * stride), n);
-    return 0;
-}
-
-/* What stays the same from one all-reduce of a group to the next, set up once per rank. */
+/* What stays the same from one all-reduce of a group to the next, set up once per rank:
+ * rank 0's posted and done counters (`stride` bytes apart, `size` of each), the data area
+ * (slot (parity p, rank r) at ((p * size) + r) * slot_bytes), the ranks' pids and the
+ * waits' settings (hpd_wait). A call from Python then converts 5 arguments, not 17:
+ * microseconds a call, and a decode step makes about a hundred. */
 typedef struct {
     char *posted;
     char *done;
@@ -206,12 +163,119 @@ typedef struct {
     double timeout_s;
 } hpd_group;
 
-/* hpd_all_reduce_f32 with the group's constants from `g` (a call from Python converts 5
- * arguments instead of 17: microseconds per call, a hundred calls a decode step). `call`:
- * the call's number, counted from 1 without wrapping; slots (call - 2) exist from 3 on. */
+static int group_wait(const hpd_group *g, char *counters, uint32_t target) {
+    return hpd_wait(counters, g->size, g->stride, target, g->pids, g->spin_us, g->yield_us,
+                    g->check_ms, g->timeout_s);
+}
+
+/* The first half of all-reduce number `call` (counted from 1, never wrapping): wait until
+ * every rank is done with call - 2 (the last user of this parity's slots); *mine is then
+ * this rank's slot to fill. */
+static int reduce_open(const hpd_group *g, uint64_t call, float **mine) {
+    if (call > 2) {
+        int got = group_wait(g, g->done, (uint32_t)(call - 2));
+        if (got != 0)
+            return got;
+    }
+    char *base = g->slots + (long)(call % 2) * g->size * g->slot_bytes;
+    *mine = (float *)(base + (long)g->rank * g->slot_bytes);
+    return 0;
+}
+
+/* The slot filled: publish posted = call, wait for every rank's, and sum the slots in rank
+ * order (((s0 + s1) + s2) + ...) into `sum`. Each element's sum is the same chain of float
+ * adds on every rank, whatever the compiler vectorizes: the same bits everywhere, and the
+ * same as adding tensors in order. The caller publishes done (reduce_close) once it has
+ * read what it needs. */
+static int reduce_sum(const hpd_group *g, uint64_t call, float *sum, long count) {
+    hpd_publish((hpd_counter *)(g->posted + (long)g->rank * g->stride), (uint32_t)call);
+    int got = group_wait(g, g->posted, (uint32_t)call);
+    if (got != 0)
+        return got;
+    const char *base = g->slots + (long)(call % 2) * g->size * g->slot_bytes;
+    const float *s0 = (const float *)base;
+    if (g->size == 1) {
+        for (long i = 0; i < count; i++)
+            sum[i] = s0[i];
+        return 0;
+    }
+    const float *s1 = (const float *)(base + g->slot_bytes);
+    for (long i = 0; i < count; i++)
+        sum[i] = s0[i] + s1[i];
+    for (int r = 2; r < g->size; r++) {
+        const float *sr = (const float *)(base + (long)r * g->slot_bytes);
+        for (long i = 0; i < count; i++)
+            sum[i] += sr[i];
+    }
+    return 0;
+}
+
+static void reduce_close(const hpd_group *g, uint64_t call) {
+    hpd_publish((hpd_counter *)(g->done + (long)g->rank * g->stride), (uint32_t)call);
+}
+
+/* One all-reduce of `count` floats (count * 4 <= slot_bytes), the whole collective in one
+ * call. Returns what hpd_wait returns (0; r + 1 when rank r died; -1 on timeout). */
 int hpd_group_all_reduce_f32(const hpd_group *g, uint64_t call, const float *src, float *dst,
                              long count) {
-    return hpd_all_reduce_f32(g->posted, g->done, g->stride, g->size, g->rank, (uint32_t)call,
-                              call > 2, g->slots, g->slot_bytes, src, dst, count, g->pids,
-                              g->spin_us, g->yield_us, g->check_ms, g->timeout_s);
+    float *mine;
+    int got = reduce_open(g, call, &mine);
+    if (got != 0)
+        return got;
+    for (long i = 0; i < count; i++)
+        mine[i] = src[i];
+    got = reduce_sum(g, call, dst, count);
+    if (got == 0)
+        reduce_close(g, call);
+    return got;
+}
+
+/* bfloat16 <-> float32 as torch converts: widening is exact; narrowing rounds to nearest,
+ * ties to even, and any NaN becomes 0x7FC0. */
+static inline float bf16_widen(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* One all-reduce of `count` bfloat16 values (count * 4 <= slot_bytes): each rank's values
+ * widened into its slot, summed in float32 in rank order (the float32 path's chain of adds)
+ * and rounded once into `dst`, as torch rounds. */
+int hpd_group_all_reduce_bf16(const hpd_group *g, uint64_t call, const uint16_t *src,
+                              uint16_t *dst, long count) {
+    float *mine;
+    int got = reduce_open(g, call, &mine);
+    if (got != 0)
+        return got;
+    for (long i = 0; i < count; i++)
+        mine[i] = bf16_widen(src[i]);
+    hpd_publish((hpd_counter *)(g->posted + (long)g->rank * g->stride), (uint32_t)call);
+    got = group_wait(g, g->posted, (uint32_t)call);
+    if (got != 0)
+        return got;
+    const char *base = g->slots + (long)(call % 2) * g->size * g->slot_bytes;
+    const float *s0 = (const float *)base;
+    if (g->size == 1) {
+        for (long i = 0; i < count; i++)
+            dst[i] = bf16_round(s0[i]);
+    } else {
+        const float *s1 = (const float *)(base + g->slot_bytes);
+        for (long i = 0; i < count; i++) {
+            float acc = s0[i] + s1[i];
+            for (int r = 2; r < g->size; r++)
+                acc += ((const float *)(base + (long)r * g->slot_bytes))[i];
+            dst[i] = bf16_round(acc);
+        }
+    }
+    reduce_close(g, call);
+    return 0;
 }
