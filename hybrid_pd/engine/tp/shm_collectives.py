@@ -124,6 +124,11 @@ class ShmCollectives:
             self.timeout_s,
         )
         self._group_ref = ctypes.byref(self._group)
+        #: dtype -> the native all-reduce of a tensor that fits a slot
+        self._one_call = {
+            torch.float32: lib.hpd_group_all_reduce_f32,
+            torch.bfloat16: lib.hpd_group_all_reduce_bf16,
+        }
 
     @classmethod
     def create(cls, size: int, slot_bytes: int | None = None) -> ShmCollectives:
@@ -214,15 +219,12 @@ class ShmCollectives:
         step's) go through one native call, no torch operation but the output's allocation;
         larger ones in slot-sized float32 chunks (bfloat16 / float16 summed in float32);
         other dtypes through torch."""
-        if x.device.type == "cpu" and x.numel() * 4 <= self.slot_bytes and x.is_contiguous():
-            if x.dtype is torch.float32:
-                out = torch.empty_like(x)
-                self._native(self._lib.hpd_group_all_reduce_f32, x, out)
-                return out
-            if x.dtype is torch.bfloat16:
-                out = torch.empty_like(x)
-                self._native(self._lib.hpd_group_all_reduce_bf16, x, out)
-                return out
+        whole = self._one_call.get(x.dtype)
+        fits = x.numel() * 4 <= self.slot_bytes
+        if whole is not None and fits and x.device.type == "cpu" and x.is_contiguous():
+            out = torch.empty_like(x)
+            self._native(whole, x, out)
+            return out
         wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
         flat = wide.contiguous().view(-1)
         out = torch.empty_like(flat)
