@@ -3,10 +3,12 @@
 
 Modes:
 - `exact`: rounds of all-reduces (float32, bfloat16, float16; tensors smaller and larger than a
-  slot; infinities, overflows, ties and subnormals) and broadcasts (small, None, larger than a
-  slot) mixed; each sum compared bit for bit with the rank-ordered sum of every rank's input
-  (which each rank can make: inputs are seeded by rank) and with gloo's path; each broadcast
-  with what rank 0 sent.
+  slot; infinities, overflows, ties and subnormals), column gathers to rank 0 (uneven runs,
+  more rows than a slot holds; through shared memory and through gloo) and broadcasts
+  (small, None, larger than a slot) mixed; each sum compared bit for bit with the
+  rank-ordered sum of every rank's input (which each rank can make: inputs are seeded by
+  rank) and with gloo's path; each gather with every rank's parts side by side; each
+  broadcast with what rank 0 sent.
 - `die-after-one`: one all-reduce, then rank `--victim` exits (code 3) while the others wait in
   an all-reduce (or, where the victim is rank 0, in a broadcast): they report what they got
   and how long it took.
@@ -58,6 +60,31 @@ def _objects(round_: int) -> list:
     return [{"round": round_, "ids": list(range(round_ * 10))}, None, ("big", big)]
 
 
+def _columns(size: int, total: int) -> list[tuple[int, int]]:
+    return [(r * total // size, (r + 1) * total // size) for r in range(size)]
+
+
+#: (rows, columns, dtype) gathered: one call; uneven runs; more rows than a slot holds
+GATHERS = [(1, 1001, torch.float32), (3, 30_001, torch.bfloat16), (40, 9_000, torch.float32)]
+
+
+def _gathers_exact(group, gloo, round_: int) -> list[str]:
+    bad = []
+    for rows, total, dtype in GATHERS:
+        columns = _columns(group.size, total)
+        parts = [
+            _input(r, round_, (rows, hi - lo), torch.float32).to(dtype)
+            for r, (lo, hi) in enumerate(columns)
+        ]
+        want = torch.cat(parts, dim=1)
+        for name, g in (("shm", group), ("gloo", gloo)):
+            got = g.gather_columns(parts[group.rank], columns)
+            ok = _same_bits(got, want) if group.is_leader else got is None
+            if not ok:
+                bad.append(f"gather_columns {name} {round_} {rows}x{total} {dtype}")
+    return bad
+
+
 def run_exact(group, rounds: int) -> dict:
     gloo = dataclasses.replace(group, shm=None)
     bad: list[str] = []
@@ -73,6 +100,8 @@ def run_exact(group, rounds: int) -> dict:
                 if round_ == 0 and not _same_bits(gloo.all_reduce(x), got):
                     bad.append(f"gloo differs {shape} {dtype}")
                 calls += 1
+        bad += _gathers_exact(group, gloo, round_)
+        calls += len(GATHERS)
         for obj in _objects(round_):
             got = group.broadcast(obj if group.is_leader else "not rank 0's")
             if got != obj:

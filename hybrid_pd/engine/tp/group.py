@@ -66,6 +66,23 @@ class TPGroup:
             total = total.add_(part)
         return total.to(x.dtype)
 
+    def gather_columns(
+        self, part: torch.Tensor, columns: list[tuple[int, int]]
+    ) -> torch.Tensor | None:
+        """Rank 0: the [rows, total] tensor whose columns columns[r] = (lo, hi) are rank
+        r's `part`, bit for bit; the other ranks: None. Through shared memory where the
+        group has it (the others' parts copied out of their slots), else an all-reduce of
+        zero-padded parts (x + 0 is x)."""
+        if self.size == 1:
+            return part
+        if self.shm is not None and part.device.type == self.shm_device:
+            return self.shm.gather_columns(part.contiguous(), columns)
+        lo, hi = columns[self.rank]
+        padded = part.new_zeros((part.shape[0], columns[-1][1]))
+        padded[:, lo:hi] = part
+        whole = self.all_reduce(padded)
+        return whole if self.is_leader else None
+
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank (pickled; small control messages only)."""
         if self.size == 1:

@@ -1,11 +1,12 @@
 """The LM head split by vocabulary rows across a tensor-parallel group.
 
 Every rank keeps the whole head (it is often the embedding too), but computes the logits
-of its own run of vocabulary rows only; the runs are put together by an all-reduce of
-zero-padded rows, so every rank ends with the same full logits, bit for bit what its own
-rows gave (x + 0 is x). At a real vocabulary the head is a large share of the weights a
-decode step reads (Granite-4.0-H-350M: 77M of 340M parameters): computed by rank 0 alone
-it made a TP-2 decode slower than TP 1.
+of its own run of vocabulary rows only; rank 0 gathers the runs (`TPGroup.gather_columns`:
+copied out of the others' shared-memory slots, nothing added), bit for bit what each rank
+computed. Only rank 0 samples, so only rank 0 gets the whole vocabulary. At a real
+vocabulary the head is a large share of the weights a decode step reads
+(Granite-4.0-H-350M-like: 77M of 345M parameters): computed by rank 0 alone it made a TP-2
+decode slower than TP 1.
 
 The head runs on rows rank 0 picks after the forward pass (the sampled rows, prompt
 slices for prompt logprobs), so rank 0 first tells the others which (`HeadRows`, through
@@ -43,17 +44,23 @@ class VocabShard:
         self._packs = PackedWeights()
 
     def rows(self, vocab: int) -> tuple[int, int]:
-        g = self.group
-        return g.rank * vocab // g.size, (g.rank + 1) * vocab // g.size
+        return self._rows_of(self.group.rank, vocab)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """`hidden @ weight.T` for the whole vocabulary, every rank computing its run."""
-        lo, hi = self.rows(weight.shape[0])
+        """Rank 0: `hidden @ weight.T` for the whole vocabulary, every rank computing its
+        run; another rank: its run only (what it returns is not used)."""
+        vocab = weight.shape[0]
+        lo, hi = self.rows(vocab)
         mine = weight[lo:hi]  # rows of a row-major weight: one contiguous block
         part = packed_linear(hidden, mine, self._packs.get("head", mine))
-        full = part.new_zeros((*part.shape[:-1], weight.shape[0]))
-        full[..., lo:hi] = part
-        return self.group.all_reduce(full)
+        flat = part.reshape(-1, hi - lo)
+        columns = [self._rows_of(r, vocab) for r in range(self.group.size)]
+        whole = self.group.gather_columns(flat, columns)
+        return part if whole is None else whole.view(*part.shape[:-1], vocab)
+
+    def _rows_of(self, rank: int, vocab: int) -> tuple[int, int]:
+        size = self.group.size
+        return rank * vocab // size, (rank + 1) * vocab // size
 
 
 def head_logits(

@@ -104,6 +104,7 @@ class ShmCollectives:
         struct.pack_into("<i", self._mm, self._pids_at + 4 * rank, os.getpid())
         self._pids = ctypes.cast(self._base + self._pids_at, ctypes.POINTER(ctypes.c_int32))
         self._calls = 0
+        self.is_leader = rank == 0
         self.spin_us = _env_float("HYBRID_PD_TP_SPIN_US", DEFAULT_SPIN_US)
         self.yield_us = _env_float("HYBRID_PD_TP_YIELD_US", DEFAULT_YIELD_US)
         #: seconds a wait may last while its peers live (0: no deadline; an idle rank 0
@@ -256,6 +257,40 @@ class ShmCollectives:
         for r in range(2, self.size):
             total.add_(self._slot(n, r, part.dtype, k))
         self._publish(1, n)
+
+    def gather_columns(
+        self, part: torch.Tensor, columns: list[tuple[int, int]]
+    ) -> torch.Tensor | None:
+        """Rank 0: the [rows, total] tensor whose columns columns[r] = (lo, hi) are rank r's
+        `part` ([rows, hi - lo] on every rank: the same rows and dtype); the other ranks:
+        None. The others write their parts into their slots (by rows, as many calls as
+        slots' worth), rank 0 copies them out; nobody adds or pads, so rank 0 gets every
+        rank's bits."""
+        rows = part.shape[0]
+        widest = max(hi - lo for lo, hi in columns)
+        per_call = max(1, self.slot_bytes // max(1, widest * part.element_size()))
+        out = None
+        if self.is_leader:
+            out = part.new_empty((rows, columns[-1][1]))
+            lo, hi = columns[0]
+            out[:, lo:hi] = part
+        for first in range(0, rows, per_call):
+            last = min(rows, first + per_call)
+            n = self._next_call()
+            if not self.is_leader:
+                chunk = part[first:last].reshape(-1)
+                self._slot(n, self.rank, part.dtype, chunk.numel()).copy_(chunk)
+                self._publish(0, n)
+                self._publish(1, n)  # reads nothing: done once posted
+                continue
+            self._publish(0, n)  # rank 0 posts nothing; its counters keep in step
+            self._wait(0, 1, self.size - 1, n)
+            for r in range(1, self.size):
+                lo, hi = columns[r]
+                got = self._slot(n, r, part.dtype, (last - first) * (hi - lo))
+                out[first:last, lo:hi] = got.view(last - first, hi - lo)
+            self._publish(1, n)
+        return out
 
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0's `obj` on every rank, pickled through rank 0's slot; by gloo's
