@@ -12,7 +12,7 @@ import torch
 from hybrid_pd.engine.batch import make_batch
 from hybrid_pd.engine.engine import EngineConfig, plan_kv_cache
 from hybrid_pd.engine.tp.group import TPGroup
-from hybrid_pd.engine.tp.head import HeadRows
+from hybrid_pd.engine.tp.head import HeadRows, follower_logits
 from hybrid_pd.engine.tp.shared_pool import create_rank_pool
 from hybrid_pd.engine.tp.steps import PoolShape, StepPlan
 from hybrid_pd.kvcache.pool import KVPool, num_blocks_for_memory
@@ -64,7 +64,7 @@ class Follower:
         if self.hidden is None:
             raise RuntimeError("rank 0 asked for logits before any step")
         with torch.inference_mode():
-            self.model.compute_logits(self.hidden[rows.index])
+            follower_logits(self.model, self.hidden, rows)
 
     def run(self) -> int:
         """Take steps (and the head's turns) until rank 0 releases the group; returns how

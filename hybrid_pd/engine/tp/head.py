@@ -1,12 +1,12 @@
 """The LM head split by vocabulary rows across a tensor-parallel group.
 
 Every rank keeps the whole head (it is often the embedding too), but computes the logits
-of its own run of vocabulary rows only; rank 0 gathers the runs (`TPGroup.gather_columns`:
-copied out of the others' shared-memory slots, nothing added), bit for bit what each rank
-computed. Only rank 0 samples, so only rank 0 gets the whole vocabulary. At a real
-vocabulary the head is a large share of the weights a decode step reads
-(Granite-4.0-H-350M-like: 77M of 345M parameters): computed by rank 0 alone it made a TP-2
-decode slower than TP 1.
+of its own run of vocabulary rows only, the model's scaling or capping included; rank 0
+gathers the runs (`TPGroup.gather_columns`: copied out of the others' shared-memory slots,
+nothing added), bit for bit what each rank computed. Only rank 0 samples, so only rank 0
+gets the whole vocabulary. At a real vocabulary the head is a large share of the weights a
+decode step reads (Granite-4.0-H-350M-like: 77M of 345M parameters): computed by rank 0
+alone it made a TP-2 decode slower than TP 1.
 
 The head runs on rows rank 0 picks after the forward pass (the sampled rows, prompt
 slices for prompt logprobs), so rank 0 first tells the others which (`HeadRows`, through
@@ -41,22 +41,27 @@ class VocabShard:
 
     def __init__(self, group: TPGroup) -> None:
         self.group = group
+        self.vocab = 0  # the head's rows, known from its first product
         self._packs = PackedWeights()
 
     def rows(self, vocab: int) -> tuple[int, int]:
         return self._rows_of(self.group.rank, vocab)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Rank 0: `hidden @ weight.T` for the whole vocabulary, every rank computing its
-        run; another rank: its run only (what it returns is not used)."""
-        vocab = weight.shape[0]
-        lo, hi = self.rows(vocab)
+        """This rank's run of `hidden @ weight.T`: [..., hi - lo]."""
+        self.vocab = weight.shape[0]
+        lo, hi = self.rows(self.vocab)
         mine = weight[lo:hi]  # rows of a row-major weight: one contiguous block
-        part = packed_linear(hidden, mine, self._packs.get("head", mine))
-        flat = part.reshape(-1, hi - lo)
-        columns = [self._rows_of(r, vocab) for r in range(self.group.size)]
-        whole = self.group.gather_columns(flat, columns)
-        return part if whole is None else whole.view(*part.shape[:-1], vocab)
+        return packed_linear(hidden, mine, self._packs.get("head", mine))
+
+    def gather(self, part: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: the whole vocabulary's logits from every rank's `part` (a model's
+        `compute_logits` of the same rows: its scaling or capping already applied, each
+        rank to its own run); the other ranks: None."""
+        columns = [self._rows_of(r, self.vocab) for r in range(self.group.size)]
+        width = columns[self.group.rank][1] - columns[self.group.rank][0]
+        whole = self.group.gather_columns(part.reshape(-1, width), columns)
+        return None if whole is None else whole.view(*part.shape[:-1], self.vocab)
 
     def _rows_of(self, rank: int, vocab: int) -> tuple[int, int]:
         size = self.group.size
@@ -67,9 +72,9 @@ def head_logits(
     model, hidden: torch.Tensor, weight: torch.Tensor, whole: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.Tensor:
     """The head's logits: `whole(hidden)` (the model's own product with `weight`) in one
-    process, split by vocabulary rows where the model holds a `vocab_shard`. A model's
+    process; where the model holds a `vocab_shard`, this rank's run of them only. A model's
     `compute_logits` calls this for the product, then applies its own scaling or capping
-    (element by element, so the same on a run of rows as on all of them)."""
+    (element by element, so each rank applies it to its run, side by side)."""
     shard: VocabShard | None = getattr(model, "vocab_shard", None)
     return whole(hidden) if shard is None else shard.logits(hidden, weight)
 
@@ -82,6 +87,13 @@ def install_vocab_shard(model, group: TPGroup) -> None:
 
 def leader_logits(model, group: TPGroup, hidden: torch.Tensor, index: Index) -> torch.Tensor:
     """Rank 0: the logits of `hidden[index]`, the other ranks told first to join in."""
-    if getattr(model, "vocab_shard", None) is not None:
-        group.broadcast(HeadRows(index))
-    return model.compute_logits(hidden[index])
+    shard: VocabShard | None = getattr(model, "vocab_shard", None)
+    if shard is None:
+        return model.compute_logits(hidden[index])
+    group.broadcast(HeadRows(index))
+    return shard.gather(model.compute_logits(hidden[index]))
+
+
+def follower_logits(model, hidden: torch.Tensor, rows: HeadRows) -> None:
+    """A rank other than 0: its run of the logits of the rows rank 0 named, sent to rank 0."""
+    model.vocab_shard.gather(model.compute_logits(hidden[rows.index]))
