@@ -182,17 +182,25 @@ static int reduce_open(const hpd_group *g, uint64_t call, float **mine) {
     return 0;
 }
 
-/* The slot filled: publish posted = call, wait for every rank's, and sum the slots in rank
- * order (((s0 + s1) + s2) + ...) into `sum`. Each element's sum is the same chain of float
- * adds on every rank, whatever the compiler vectorizes: the same bits everywhere, and the
- * same as adding tensors in order. The caller publishes done (reduce_close) once it has
- * read what it needs. */
-static int reduce_sum(const hpd_group *g, uint64_t call, float *sum, long count) {
+/* This rank's slot filled: publish posted = call and wait for every rank's; *base is then
+ * the call's slots (rank r's at r * slot_bytes) to read. The caller publishes done
+ * (reduce_close) once it has read what it needs. */
+static int reduce_post(const hpd_group *g, uint64_t call, const char **base) {
     hpd_publish((hpd_counter *)(g->posted + (long)g->rank * g->stride), (uint32_t)call);
     int got = group_wait(g, g->posted, (uint32_t)call);
+    if (got == 0)
+        *base = g->slots + (long)(call % 2) * g->size * g->slot_bytes;
+    return got;
+}
+
+/* reduce_post, then the slots summed in rank order (((s0 + s1) + s2) + ...) into `sum`.
+ * Each element's sum is the same chain of float adds on every rank, whatever the compiler
+ * vectorizes: the same bits everywhere, and the same as adding tensors in order. */
+static int reduce_sum(const hpd_group *g, uint64_t call, float *sum, long count) {
+    const char *base;
+    int got = reduce_post(g, call, &base);
     if (got != 0)
         return got;
-    const char *base = g->slots + (long)(call % 2) * g->size * g->slot_bytes;
     const float *s0 = (const float *)base;
     if (g->size == 1) {
         for (long i = 0; i < count; i++)
@@ -258,11 +266,10 @@ int hpd_group_all_reduce_bf16(const hpd_group *g, uint64_t call, const uint16_t 
         return got;
     for (long i = 0; i < count; i++)
         mine[i] = bf16_widen(src[i]);
-    hpd_publish((hpd_counter *)(g->posted + (long)g->rank * g->stride), (uint32_t)call);
-    got = group_wait(g, g->posted, (uint32_t)call);
+    const char *base;
+    got = reduce_post(g, call, &base);
     if (got != 0)
         return got;
-    const char *base = g->slots + (long)(call % 2) * g->size * g->slot_bytes;
     const float *s0 = (const float *)base;
     if (g->size == 1) {
         for (long i = 0; i < count; i++)
