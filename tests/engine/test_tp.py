@@ -23,6 +23,7 @@ from hybrid_pd.engine.loader import load_model
 from hybrid_pd.engine.registry import model_class
 from hybrid_pd.engine.tp.build import shard_model
 from hybrid_pd.engine.tp.group import TPGroup
+from hybrid_pd.engine.tp.head import install_vocab_shard
 from hybrid_pd.engine.tp.plans import TPConfigError, plan_for
 from hybrid_pd.engine.tp.shard import LEADER_ONLY, Seg, Split, owned_units, shard_tensor
 from hybrid_pd.kvcache.hf_configs import load_config
@@ -192,7 +193,11 @@ def tp_tokens(
 ) -> dict:
     """Greedy tokens of an engine of `size` real rank processes (tests/engine/tp_scenario.py)
     over `rounds` of prompts (with `logprobs`: `scored_rounds`' outputs)."""
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "HYBRID_PD_TP_HEAD_SPLIT_MIN": "0",  # these checkpoints' heads are tiny: split anyway
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "tests.engine.tp_scenario", "--model", str(folder),
          "--size", str(size), "--rounds", json.dumps(rounds), "--new", str(new),
@@ -241,3 +246,16 @@ def test_tp_logprobs_come_from_every_ranks_rows_of_the_head(case, folders):
                     assert [i for i, _ in b[1]] == [i for i, _ in a[1]]
                     assert b[0] == pytest.approx(a[0], abs=1e-4)
                     assert [v for _, v in b[1]] == pytest.approx([v for _, v in a[1]], abs=1e-4)
+
+
+def test_only_a_head_worth_splitting_is_split(monkeypatch):
+    monkeypatch.delenv("HYBRID_PD_TP_HEAD_SPLIT_MIN", raising=False)
+    group = TPGroup(rank=1, size=2)
+    tiny, real = torch.nn.Module(), torch.nn.Module()
+    install_vocab_shard(tiny, group, {"vocab_size": 300, "hidden_size": 64})
+    install_vocab_shard(real, group, {"text_config": {"vocab_size": 262_144, "hidden_size": 640}})
+    assert not hasattr(tiny, "vocab_shard")  # rank 0 computes it whole, as at TP 1
+    assert real.vocab_shard.rows(262_144) == (131_072, 262_144)
+    alone = torch.nn.Module()
+    install_vocab_shard(alone, TPGroup(), {"vocab_size": 10**6, "hidden_size": 64})  # TP 1
+    assert not hasattr(alone, "vocab_shard")

@@ -28,7 +28,7 @@ def shard_model(full: nn.Module, rank_model: nn.Module, plan: TPPlan, group: TPG
         param.copy_(_shard(name, source[name], param, plan, group))
     copy_buffers(full, rank_model, plan, group)
     install_reductions(rank_model, plan, group)
-    install_vocab_shard(rank_model, group)
+    install_vocab_shard(rank_model, group, plan.rank_config)
     if plan.patch is not None:
         plan.patch(rank_model, group)
 

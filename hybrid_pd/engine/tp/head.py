@@ -16,6 +16,7 @@ rank after the last all-reduce and the replicated final norm.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,9 +80,21 @@ def head_logits(
     return whole(hidden) if shard is None else shard.logits(hidden, weight)
 
 
-def install_vocab_shard(model, group: TPGroup) -> None:
-    """Split `model`'s head across `group` (a no-op at size 1)."""
-    if group.size > 1:
+#: Heads smaller than this many weights stay whole on rank 0 (16 MB in float32: under a
+#: millisecond a row on one core), where splitting would only add a gather to every step;
+#: env HYBRID_PD_TP_HEAD_SPLIT_MIN (the followers inherit rank 0's environment).
+MIN_SPLIT_WEIGHTS = 1 << 22
+
+
+def install_vocab_shard(model, group: TPGroup, config: dict) -> None:
+    """Split `model`'s head across `group` (nothing at size 1, nor for a head under
+    MIN_SPLIT_WEIGHTS by `config`'s vocab_size x hidden_size, its text_config's where it
+    has one)."""
+    text = config.get("text_config") or config
+    vocab, hidden = text.get("vocab_size"), text.get("hidden_size")
+    least = int(os.environ.get("HYBRID_PD_TP_HEAD_SPLIT_MIN", MIN_SPLIT_WEIGHTS))
+    small = vocab is not None and hidden is not None and vocab * hidden < least
+    if group.size > 1 and not small:
         model.vocab_shard = VocabShard(group)
 
 
