@@ -18,6 +18,7 @@ model) and reused.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,9 @@ from hybrid_pd.bench import recipes
 
 #: Bump when a recipe changes: the cached checkpoints are then rebuilt.
 _VERSION = "v1"
+#: Shapes rewritten since v1: Gemma's (its norms' weights all zero, its greedy tokens one
+#: token repeated: the scaled embedding outweighed every layer; now spread as the toy's).
+_VERSIONS = {"gemma-3-270m-like": "v2"}
 
 
 def _granite_350m() -> dict[str, Any]:
@@ -125,7 +129,12 @@ REAL_SHAPES: dict[str, tuple[str | None, str | None, Any, Any]] = {
         _granite_350m,
         recipes.spread_granite_mamba,
     ),
-    "gemma-3-270m-like": ("Gemma3TextConfig", "Gemma3ForCausalLM", _gemma3_270m, None),
+    "gemma-3-270m-like": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        _gemma3_270m,
+        partial(recipes.spread_norms, mean=0.0, std=2.0),
+    ),
     "qwen3.5-0.8b-like": (None, None, lambda: _qwen_layers(_qwen3_5_08b()), None),
 }
 
@@ -152,7 +161,7 @@ def ensure_real_shape(name: str, root: Path | None = None) -> Path:
 
     if name not in REAL_SHAPES:
         raise ValueError(f"unknown real shape {name!r}; known: {', '.join(REAL_SHAPES)}")
-    folder = (root or cache_root()) / "real-shapes" / f"{name}-{_VERSION}"
+    folder = (root or cache_root()) / "real-shapes" / f"{name}-{_VERSIONS.get(name, _VERSION)}"
     return ensure_folder(folder, "config.json", lambda tmp: _write(name, tmp))
 
 
