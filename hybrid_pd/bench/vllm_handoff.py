@@ -64,18 +64,25 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
+#: Stages measured from a stage other than the one stamped before them: the decode server's
+#: arrival follows the params leaving the prefill, while the prefill's keep runs beside the
+#: client's hop and may be stamped after it.
+SINCE = {"decode_arrived": "params_out"}
+
+
 def stage_deltas(stamps: dict[str, float]) -> dict[str, float]:
     """Milliseconds of each stamped stage since the stage stamped before it, in `STAGES`'
-    order (the prefill's keep chain and the decode's arrival overlap; each is measured
-    from its own predecessor in that order)."""
+    order, or since its cause where `SINCE` names one (the prefill's keep chain and the
+    decode's arrival overlap)."""
     out: dict[str, float] = {}
     prev = None
     for stage in STAGES:
         t = stamps.get(stage)
         if t is None:
             continue
-        if prev is not None:
-            out[stage] = round((t - prev) * 1e3, 3)
+        since = stamps.get(SINCE.get(stage, ""), prev)
+        if since is not None:
+            out[stage] = round((t - since) * 1e3, 3)
         prev = t
     return out
 

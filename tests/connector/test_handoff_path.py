@@ -148,6 +148,13 @@ def test_pull_sends_from_the_control_loop_and_stamps_each_stage(caplog):
         assert set(deltas) == set(seen[1:]) and all(v >= 0 for v in deltas.values())
 
 
+def test_the_decode_arrival_is_measured_from_the_params_not_the_keep_beside_it():
+    # the client reached the decode server before the prefill's worker stamped its keep
+    stamps = {"params_out": 10.0, "keep_meta": 10.001, "decode_arrived": 10.002, "kept": 10.003}
+    deltas = stage_deltas(stamps)
+    assert deltas == {"keep_meta": 1.0, "kept": 2.0, "decode_arrived": 2.0}
+
+
 def test_handoff_figures_per_prompt_length():
     t = 1000.0
     rows = []
